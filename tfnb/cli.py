@@ -1,0 +1,87 @@
+"""The ``tfnb`` command: ``worker`` (one TF server on a real machine), ``local`` (N workers here),
+``demo`` and ``bench``."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _worker(a) -> int:
+    from tfnb.cluster.worker import serve
+
+    return serve(a.cluster, a.job, a.task, profiler_port=a.profiler_port)
+
+
+def _local(a) -> int:
+    import signal
+    import threading
+
+    from tfnb.cluster import LocalCluster
+    from tfnb.errors import TfnbError
+
+    try:
+        lc = LocalCluster(a.n, timeout=a.timeout, isolate=a.isolate)
+    except TfnbError as e:
+        print(f"tfnb local: {e}", file=sys.stderr)
+        return 1
+    print(f"{len(lc.addresses)} workers running; connect with:")
+    print(f"  %tfcluster connect {','.join(lc.addresses)}")
+    for name, scope in lc.scopes().items():
+        print(f"  {name} listens on {scope}")
+    print("Ctrl-C stops them.", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(1.0):
+        if not all(lc.alive()):
+            print("a worker exited; stopping the others", file=sys.stderr)
+            break
+    lc.close()
+    return 0
+
+
+def _demo(a) -> int:
+    import warnings
+
+    import tfnb
+    from tfnb.cluster.security import ExposedServerWarning
+
+    print("starting a local cluster of 2 TF workers...", flush=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ExposedServerWarning)
+        cluster = tfnb.local(2)
+    for w in caught:
+        print(f"warning: {w.message}")
+    try:
+        print(cluster)
+        print(cluster.status())
+    finally:
+        cluster.stop()
+    print("stopped the workers.")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="tfnb", description="TensorFlow clusters for LLM inference from notebooks")
+    sub = p.add_subparsers(dest="command", required=True)
+    w = sub.add_parser("worker", help="run one TF worker server on this machine")
+    w.add_argument("--cluster", required=True,
+                   help="'host:port,host:port', a JSON dict of jobs, or a JSON cluster file")
+    w.add_argument("--job", default="worker", help="job name of this task (default: worker)")
+    w.add_argument("--task", type=int, default=0, help="task index of this server in its job")
+    w.add_argument("--profiler-port", type=int, default=None,
+                   help="also start a TF profiler server on this port")
+    w.set_defaults(func=_worker)
+    lo = sub.add_parser("local", help="run N TF workers on 127.0.0.1 until Ctrl-C")
+    lo.add_argument("-n", type=int, default=2, help="number of workers (default 2)")
+    lo.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for them to start")
+    lo.add_argument("--isolate", action="store_true", help="drop non-loopback traffic to them (root, nftables)")
+    lo.set_defaults(func=_local)
+    d = sub.add_parser("demo", help="start a local cluster and show what tfnb does")
+    d.set_defaults(func=_demo)
+    a = p.parse_args(argv)
+    return a.func(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

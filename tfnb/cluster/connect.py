@@ -1,0 +1,299 @@
+"""Connecting this process to a TF cluster: probe first, then tell TensorFlow.
+
+``tf.config.experimental_connect_to_cluster`` returns at once and the first op on an unreachable
+worker then hangs with no error (measured: > 150 s). :func:`connect` therefore probes every address
+under a timeout before TensorFlow is told anything, and refuses with one error naming every worker
+that did not answer. It also advertises the client's own TF server at an address the workers can
+reach back (TF's default is ``localhost``, which breaks clusters on several hosts), and remembers
+each worker's *incarnation* so :meth:`Cluster.reconnect` can tell which workers restarted and
+which placed state was lost with them.
+"""
+from __future__ import annotations
+
+import ipaddress
+import socket
+import threading
+import weakref
+
+from tfnb.cluster.local import LocalCluster, free_ports
+from tfnb.cluster.probe import probe_all
+from tfnb.cluster.security import listening_scope, warn_if_exposed
+from tfnb.cluster.spec import ClusterSpec, parse_address, parse_spec, split_address
+from tfnb.cluster.status import ClusterStatus, gather
+from tfnb.errors import ClusterError, NotConnectedError, SpecError, UnreachableError
+
+CLIENT_JOB = "tfnb_client"
+_lock = threading.RLock()
+_current: "Cluster | None" = None
+_told: tuple[ClusterSpec, str] | None = None  # what TensorFlow was last told: spec, client address
+
+
+def current(required: bool = True) -> "Cluster | None":
+    """The cluster this process is connected to (the last :func:`connect`)."""
+    if _current is None and required:
+        raise NotConnectedError("not connected to a cluster; run tfnb.connect(...) or %tfcluster local 2")
+    return _current
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def advertise_host(spec: ClusterSpec) -> str:
+    """The client address the workers can reach: loopback for a local cluster, otherwise the
+    address of the interface this machine would use to reach the first remote worker."""
+    remote = [split_address(a) for a in spec.addresses if not _is_loopback(split_address(a)[0])]
+    if not remote:
+        return "127.0.0.1"
+    host, port = remote[0]
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:  # UDP connect sends no packet
+        s.connect((host, port))
+        local = s.getsockname()[0]
+    return f"[{local}]" if ":" in local else local
+
+
+def _check_timeout(timeout: object) -> float:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 3600:
+        raise SpecError(f"timeout={timeout!r}; expected seconds, a number > 0 and <= 3600")
+    return float(timeout)
+
+
+def _unreachable(results, timeout: float) -> UnreachableError:
+    bad = [r for r in results if r.state != "up"]
+    listed = ", ".join(f"{r.address} ({r.error or r.state})" for r in bad)
+    return UnreachableError(f"{len(bad)} of {len(results)} workers did not answer within {timeout:g} s: "
+                            f"{listed}; nothing was changed")
+
+
+class Cluster:
+    """A TF cluster this process is connected to. Made by :func:`connect` or :func:`local`.
+
+    Examples
+    --------
+    >>> cluster = tfnb.local(2)                    # doctest: +SKIP
+    >>> cluster.workers                            # doctest: +SKIP
+    ['/job:worker/replica:0/task:0', '/job:worker/replica:0/task:1']
+    >>> cluster.status()                           # doctest: +SKIP
+    """
+
+    def __init__(self, spec: ClusterSpec, *, timeout: float, client_address: str,
+                 probes, local: LocalCluster | None = None):
+        self.spec = spec
+        self.timeout = timeout
+        self.client_address = client_address
+        self.local = local
+        self.connected = True
+        self._incarnations = {p.address: p.incarnation for p in probes}
+        self._devices = [d.name for p in probes for d in p.devices]
+        self._holders: list[tuple[weakref.ref, str, frozenset]] = []
+        # the connect-time probes already say who is up and what devices there are: no more I/O
+        self._last: ClusterStatus = gather(spec, timeout, connected=False, servers=self.servers(),
+                                           probes=probes)
+
+    # --- what the cluster has -------------------------------------------------------------
+    @property
+    def workers(self) -> list[str]:
+        """Task prefixes, e.g. ``/job:worker/replica:0/task:0``."""
+        return [f"/job:{j}/replica:0/task:{i}" for j, i, _ in self.spec.tasks()]
+
+    @property
+    def devices(self) -> list[str]:
+        """Full TF names of every device of every worker, as reported when connecting."""
+        return list(self._devices)
+
+    def servers(self) -> dict[str, str]:
+        """``{server: listening scope}`` for the workers tfnb started here and the client's server."""
+        out = dict(self.local.scopes()) if self.local else {}
+        port = split_address(self.client_address)[1]
+        guarded = self.local is not None and self.local.guard is not None
+        out[f"client ({self.client_address})"] = "loopback (guarded)" if guarded else listening_scope(port)
+        return out
+
+    # --- health ---------------------------------------------------------------------------
+    def status(self, timeout: float | None = None) -> ClusterStatus:
+        """Per worker: state, round-trip latency, devices and memory. Bounded by ``timeout``."""
+        t = self.timeout if timeout is None else _check_timeout(timeout)
+        self._last = gather(self.spec, t, connected=self.connected and _current is self,
+                            servers=self.servers())
+        return self._last
+
+    # --- remote state bookkeeping -----------------------------------------------------------
+    def register(self, obj: object, label: str, devices) -> None:
+        """Record that ``obj`` (e.g. a placed model) keeps state on ``devices``.
+
+        When a worker restarts, :meth:`reconnect` names it among what must be placed again and
+        calls ``obj._on_state_lost(reason)`` if it has that method.
+        """
+        tasks = frozenset(d.split("/device:")[0] for d in devices)
+        self._holders.append((weakref.ref(obj), label, tasks))
+
+    def _lose(self, tasks: set[str] | None, reason: str) -> list[str]:
+        lost, keep = [], []
+        for ref, label, held in self._holders:
+            obj = ref()
+            if obj is None:
+                continue
+            if tasks is None or held & tasks:
+                lost.append(label)
+                hook = getattr(obj, "_on_state_lost", None)
+                if hook:
+                    hook(reason)
+            else:
+                keep.append((ref, label, held))
+        self._holders = keep
+        return lost
+
+    def reconnect(self, timeout: float | None = None) -> dict:
+        """Connect again after workers restarted; returns which restarted and what was lost.
+
+        Examples
+        --------
+        >>> cluster.reconnect()                    # doctest: +SKIP
+        {'restarted': ['/job:worker/replica:0/task:1'], 'lost': ['SmolLM2 placed on 2 devices']}
+        """
+        t = self.timeout if timeout is None else _check_timeout(timeout)
+        results = probe_all(self.spec.addresses, t)
+        if any(r.state != "up" for r in results):
+            raise _unreachable(results, t)
+        names = dict(zip(self.spec.addresses, self.workers))
+        restarted = [names[r.address] for r in results if r.incarnation != self._incarnations.get(r.address)]
+        _tell_tensorflow(self.spec, self.client_address)
+        _make_current(self)
+        lost = self._lose(set(restarted), "a worker restarted") if restarted else []
+        self._incarnations = {r.address: r.incarnation for r in results}
+        self._devices = [d.name for r in results for d in r.devices]
+        self.connected = True
+        return {"restarted": restarted, "lost": lost}
+
+    # --- ending ---------------------------------------------------------------------------
+    def disconnect(self) -> None:
+        """Forget this cluster: placed models on it become unusable; workers keep running.
+
+        TensorFlow has no call to drop a remote context; the workers release it when their
+        keep-alive expires (600 s) or when another cluster is connected.
+        """
+        global _current
+        with _lock:
+            self._lose(None, "the cluster was disconnected")
+            self.connected = False
+            if _current is self:
+                _current = None
+
+    def stop(self) -> None:
+        """Disconnect and stop the worker processes tfnb started for this cluster."""
+        self.disconnect()
+        if self.local is not None:
+            self.local.close()
+
+    close = stop
+
+    def __enter__(self) -> "Cluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # --- views (no I/O) -------------------------------------------------------------------
+    def __repr__(self) -> str:
+        state = "connected" if self.connected else "disconnected"
+        kind = "local " if self.local else ""
+        return f"<tfnb {kind}Cluster {state}: {len(self.workers)} workers {self.spec.addresses}>"
+
+    def _repr_html_(self) -> str:
+        return f"<b>{self!r}</b>".replace("<tfnb", "&lt;tfnb").replace("]>", "]&gt;") + self._last._repr_html_()
+
+
+def _tell_tensorflow(spec: ClusterSpec, client_address: str) -> None:
+    import tensorflow as tf
+
+    jobs = spec.as_dict()
+    jobs[CLIENT_JOB] = [client_address]
+    # A ClusterSpec, not a resolver: with a resolver whose master() is "" TF silently does nothing.
+    tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec(jobs), job_name=CLIENT_JOB,
+                                              task_index=0, make_master_device_default=False)
+    tf.config.list_logical_devices()  # initializes the context: the client's server starts listening
+
+
+def _make_current(cluster: Cluster) -> None:
+    global _current
+    with _lock:
+        if _current is not None and _current is not cluster:
+            _current._lose(None, "another cluster was connected")
+            _current.connected = False
+        _current = cluster
+
+
+def connect(spec: object = None, *, timeout: float = 5.0, tf_config: bool = False,
+            advertise: str | None = None) -> Cluster:
+    """Probe every worker, then connect this process to the cluster.
+
+    Parameters
+    ----------
+    spec : str, dict, path, LocalCluster or TF cluster resolver
+        See :func:`tfnb.cluster.spec.parse_spec`.
+    timeout : float
+        Seconds each worker has to answer; on failure all unreachable workers are named in one
+        :class:`~tfnb.errors.UnreachableError` and nothing changes.
+    tf_config : bool
+        Read the cluster from the ``TF_CONFIG`` environment variable.
+    advertise : str, optional
+        Host the workers use to reach this client's TF server (default: picked from the route to
+        the first remote worker; ``127.0.0.1`` for a local cluster).
+
+    Examples
+    --------
+    >>> cluster = tfnb.connect("10.0.0.5:2222,10.0.0.6:2222", timeout=5)   # doctest: +SKIP
+    >>> cluster = tfnb.connect(tf_config=True)                              # doctest: +SKIP
+    """
+    global _told
+    t = _check_timeout(timeout)
+    parsed = parse_spec(spec, tf_config=tf_config)
+    if CLIENT_JOB in dict(parsed.jobs):
+        raise SpecError(f"job name {CLIENT_JOB!r} is reserved for the client; rename that job")
+    results = probe_all(parsed.addresses, t)
+    if any(r.state != "up" for r in results):
+        raise _unreachable(results, t)
+    host = advertise_host(parsed) if advertise is None else parse_address(f"{advertise}:1").rpartition(":")[0]
+    with _lock:
+        # The same cluster again keeps the client's address (TF then updates its remote contexts
+        # and state on workers that stayed up survives); another cluster makes TF start a new
+        # client server, which cannot bind the port the old one still holds.
+        if _told is not None and _told[0] == parsed and _told[1].rpartition(":")[0] == host:
+            client_address = _told[1]
+        else:
+            client_address = f"{host}:{free_ports(1)[0]}"
+        local = spec if isinstance(spec, LocalCluster) else None
+        if local is not None and local.guard is not None:
+            local.guard.add_ports([split_address(client_address)[1]])
+        _tell_tensorflow(parsed, client_address)
+        _told = (parsed, client_address)
+        cluster = Cluster(parsed, timeout=t, client_address=client_address, probes=results, local=local)
+        _make_current(cluster)
+    warn_if_exposed(cluster.servers())
+    return cluster
+
+
+def local(n_workers: int = 2, *, timeout: float = 5.0, start_timeout: float = 60.0,
+          isolate: bool = False) -> Cluster:
+    """Start ``n_workers`` TF workers on this machine and connect to them.
+
+    Examples
+    --------
+    >>> cluster = tfnb.local(2)                    # doctest: +SKIP
+    >>> cluster.stop()                             # doctest: +SKIP
+    """
+    lc = LocalCluster(n_workers, timeout=start_timeout, isolate=isolate)
+    try:
+        return connect(lc, timeout=timeout)
+    except BaseException:
+        lc.close()
+        raise
+
+
+__all__ = ["Cluster", "ClusterError", "connect", "current", "local"]

@@ -1,0 +1,212 @@
+"""N TensorFlow worker processes on this machine, on 127.0.0.1 with free ports.
+
+Workers are stopped on :meth:`LocalCluster.close`, at interpreter exit (kernel shutdown), and when
+the parent dies in any way: each worker watches a pipe from the parent (see ``worker.py``).
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from pathlib import Path
+
+from tfnb.cluster.probe import probe_all
+from tfnb.cluster.spec import ClusterSpec, split_address
+from tfnb.cluster.worker import READY
+from tfnb.errors import ClusterError, SpecError
+
+_live: "weakref.WeakSet[LocalCluster]" = weakref.WeakSet()
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct TCP ports that were free a moment ago on ``host``."""
+    socks, ports = [], []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind((host, 0))
+            socks.append(s)
+            ports.append(s.getsockname()[1])
+    finally:
+        for s in socks:
+            s.close()
+    return ports
+
+
+class LocalCluster:
+    """Start ``n_workers`` TF worker servers on this machine and wait until each answers.
+
+    Parameters
+    ----------
+    n_workers : int
+        Number of worker processes (1 to 64).
+    timeout : float
+        Seconds to wait for all workers to answer; on expiry all are stopped and an error names
+        the slow ones with the end of their log.
+    isolate : bool
+        Install a :class:`~tfnb.cluster.security.LoopbackGuard` so the workers (and later the
+        client's server) are unreachable from other hosts. Linux, root and nftables.
+    host : str
+        Address the workers are advertised at; loopback by default.
+
+    Examples
+    --------
+    >>> with LocalCluster(2) as lc:          # doctest: +SKIP
+    ...     print(lc.spec.addresses)
+    ['127.0.0.1:40123', '127.0.0.1:40124']
+    """
+
+    def __init__(self, n_workers: int = 2, *, timeout: float = 60.0, isolate: bool = False,
+                 host: str = "127.0.0.1", job: str = "worker"):
+        if isinstance(n_workers, bool) or not isinstance(n_workers, int) or not 1 <= n_workers <= 64:
+            raise SpecError(f"n_workers={n_workers!r}; expected an integer from 1 to 64")
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
+            raise SpecError(f"timeout={timeout!r}; expected a number of seconds > 0")
+        self.timeout = float(timeout)
+        self.log_dir = Path(tempfile.mkdtemp(prefix="tfnb-local-"))
+        self.procs: list[subprocess.Popen] = []
+        self.info: list[dict] = []
+        self.guard = None
+        ports = free_ports(n_workers, host)
+        self.spec = ClusterSpec(((job, tuple(f"{host}:{p}" for p in ports)),))
+        _live.add(self)
+        try:
+            if isolate:
+                from tfnb.cluster.security import LoopbackGuard
+                self.guard = LoopbackGuard(ports)
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+
+    def _spawn(self, task: int) -> subprocess.Popen:
+        job, _, _ = self.spec.tasks()[task]
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"))
+        cmd = [sys.executable, "-m", "tfnb.cluster.worker", "--cluster", self.spec.to_json(),
+               "--job", job, "--task", str(task), "--watch-stdin"]
+        with open(self.log_dir / f"worker-{task}.log", "ab") as log:
+            return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                                    env=env, start_new_session=True)
+
+    def _await_ready(self, tasks: list[int]) -> dict[int, dict]:
+        """Wait (bounded) for each task's ready line and a successful probe; fail naming the rest."""
+        ready: dict[int, dict] = {}
+        readers = [threading.Thread(target=self._read_ready, args=(i, self.procs[i], ready), daemon=True)
+                   for i in tasks]
+        for t in readers:
+            t.start()
+        deadline = time.monotonic() + self.timeout
+        for t in readers:
+            t.join(max(0.0, deadline - time.monotonic()))
+        missing = [i for i in tasks if i not in ready]
+        if not missing:  # a printed line is not enough: the server must answer an RPC
+            left = max(1.0, deadline - time.monotonic())
+            results = probe_all([self.spec.addresses[i] for i in tasks], left)
+            missing = [i for i, r in zip(tasks, results) if r.state != "up"]
+        if missing:
+            self._fail(missing)
+        return ready
+
+    def _start(self) -> None:
+        self.procs = [self._spawn(task) for task in range(len(self.spec.addresses))]
+        ready = self._await_ready(list(range(len(self.procs))))
+        self.info = [ready[i] for i in range(len(self.procs))]
+
+    @staticmethod
+    def _read_ready(i: int, proc: subprocess.Popen, ready: dict) -> None:
+        for raw in proc.stdout:
+            line = raw.decode(errors="replace").strip()
+            if line.startswith(READY):
+                ready[i] = json.loads(line[len(READY):])
+                break
+        # keep draining so a chatty worker never blocks on a full pipe
+        threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+
+    def _fail(self, missing: list[int]) -> None:
+        self.close()
+        details = []
+        for i in missing:
+            tail = (self.log_dir / f"worker-{i}.log").read_text(errors="replace").strip().splitlines()[-3:]
+            code = self.procs[i].poll()
+            why = f"exited with code {code}" if code is not None else f"no answer within {self.timeout:g} s"
+            details.append(f"worker {i} ({self.spec.addresses[i]}) {why}" + (f": {' | '.join(tail)}" if tail else ""))
+        raise ClusterError("local cluster did not start; " + "; ".join(details))
+
+    @property
+    def addresses(self) -> list[str]:
+        return self.spec.addresses
+
+    @property
+    def ports(self) -> list[int]:
+        return [split_address(a)[1] for a in self.spec.addresses]
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def alive(self) -> list[bool]:
+        return [p.poll() is None for p in self.procs]
+
+    def scopes(self) -> dict[str, str]:
+        """``{"worker 0 (127.0.0.1:p)": listening scope}`` for each worker."""
+        guarded = self.guard is not None
+        return {f"worker {i} ({a})": ("loopback (guarded)" if guarded else info.get("listening", "unknown"))
+                for i, (a, info) in enumerate(zip(self.spec.addresses, self.info))}
+
+    def kill(self, task: int, sig: int = 9) -> None:
+        """Send ``sig`` to one worker (fault injection in tests and tutorials)."""
+        os.kill(self.procs[task].pid, sig)
+
+    def restart(self, task: int) -> None:
+        """Start worker ``task`` again on its old address (after it died or was killed)."""
+        proc = self.procs[task]
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+        self.procs[task] = self._spawn(task)
+        self.info[task] = self._await_ready([task])[task]
+
+    def close(self) -> None:
+        """Stop every worker (SIGTERM, then SIGKILL after 5 s) and remove the guard."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.monotonic() + 5.0
+        for p in self.procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+            for stream in (p.stdin, p.stdout):
+                if stream:
+                    try:
+                        stream.close()
+                    except OSError:
+                        pass
+        if self.guard is not None:
+            self.guard.close()
+            self.guard = None
+
+    def __enter__(self) -> "LocalCluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        up = sum(self.alive())
+        return f"LocalCluster({len(self.procs)} workers, {up} running, {self.spec.addresses})"
+
+
+@atexit.register
+def _close_all() -> None:
+    for lc in list(_live):
+        lc.close()

@@ -1,0 +1,137 @@
+"""One TensorFlow worker server: what ``tfnb worker`` and :class:`tfnb.LocalCluster` run.
+
+The process starts ``tf.distribute.Server`` for one task of the cluster, prints one line
+``TFNB_READY {json}`` (address, devices, listening scope) and then serves until SIGTERM/SIGINT.
+The TF gRPC server also serves TensorFlow's profiler service on the same port;
+``--profiler-port`` adds a dedicated profiler server (what ``tf.profiler`` tools expect on
+machines where the worker port is not reachable).
+
+With ``--watch-stdin`` the worker exits as soon as its standard input closes: LocalCluster gives
+each worker a pipe, and the kernel closes it when the parent dies in any way (even SIGKILL), so no
+worker outlives the notebook that started it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+READY = "TFNB_READY"
+
+
+def status_path(job: str, task: int, port: int) -> str:
+    """Where a worker publishes its live memory figures (read by ``Cluster.status``)."""
+    return f"/tmp/tfnb-worker-{job}-{task}-{port}.json"
+
+
+def _memory_snapshot(tf) -> dict:
+    import psutil
+
+    vm = psutil.virtual_memory()
+    gpus = []
+    for dev in tf.config.list_logical_devices("GPU"):
+        try:
+            info = tf.config.experimental.get_memory_info(dev.name.split("device:")[-1])
+            gpus.append({"device": dev.name, "in_use": int(info["current"]), "peak": int(info["peak"])})
+        except (ValueError, RuntimeError):
+            pass
+    return {"pid": os.getpid(), "host_ram_total": vm.total, "host_ram_available": vm.available,
+            "rss": psutil.Process().memory_info().rss, "gpus": gpus, "time": time.time()}
+
+
+def _publish_status(tf, path: str, stop: threading.Event) -> None:
+    while not stop.is_set():
+        try:
+            tmp = f"{path}.{os.getpid()}"
+            with open(tmp, "w") as f:
+                json.dump(_memory_snapshot(tf), f)
+            os.replace(tmp, path)
+        except OSError:
+            pass
+        stop.wait(2.0)
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _watch_stdin(stop: threading.Event) -> None:
+    try:
+        while sys.stdin.buffer.read(1):
+            pass
+    except (OSError, ValueError):
+        pass
+    stop.set()
+
+
+def serve(cluster: str, job: str, task: int, *, profiler_port: int | None = None,
+          watch_stdin: bool = False) -> int:
+    """Run one TF server until a signal (or, with ``watch_stdin``, until stdin closes)."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from tfnb.cluster.security import listening_scope
+    from tfnb.cluster.spec import parse_spec, split_address
+    from tfnb.errors import SpecError
+
+    try:
+        spec = parse_spec(cluster)
+        jobs = spec.as_dict()
+        if job not in jobs:
+            raise SpecError(f"job {job!r} is not in the cluster; it has {sorted(jobs)}")
+        if not 0 <= task < len(jobs[job]):
+            raise SpecError(f"task {task} is out of range for job {job!r} ({len(jobs[job])} tasks: 0..{len(jobs[job]) - 1})")
+    except SpecError as e:
+        print(f"tfnb worker: {e}", file=sys.stderr)
+        return 2
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+
+    import tensorflow as tf
+
+    address = jobs[job][task]
+    _, port = split_address(address)
+    try:
+        server = tf.distribute.Server(tf.train.ClusterSpec(jobs), job_name=job, task_index=task,
+                                      protocol="grpc", start=True)
+    except (tf.errors.OpError, RuntimeError, ValueError) as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"tfnb worker: cannot start the TF server on port {port}: {msg}", file=sys.stderr)
+        return 1
+    if profiler_port:
+        tf.profiler.experimental.server.start(profiler_port)
+    devices = [d.name for d in tf.config.list_logical_devices()]
+    info = {"address": address, "job": job, "task": task, "pid": os.getpid(),
+            "target": server.target, "devices": devices,
+            "listening": listening_scope(port), "profiler_port": profiler_port or port}
+    print(f"{READY} {json.dumps(info)}", flush=True)
+    threading.Thread(target=_publish_status, args=(tf, status_path(job, task, port), stop), daemon=True).start()
+    if watch_stdin:
+        threading.Thread(target=_watch_stdin, args=(stop,), daemon=True).start()
+    while not stop.wait(0.5):
+        pass
+    # TF servers cannot be stopped cleanly from Python (Server.stop is unimplemented for gRPC):
+    # leave at once, without running TF's static destructors that may block.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m tfnb.cluster.worker")
+    p.add_argument("--cluster", required=True)
+    p.add_argument("--job", default="worker")
+    p.add_argument("--task", type=int, default=0)
+    p.add_argument("--profiler-port", type=int, default=None)
+    p.add_argument("--watch-stdin", action="store_true")
+    a = p.parse_args(argv)
+    return serve(a.cluster, a.job, a.task, profiler_port=a.profiler_port, watch_stdin=a.watch_stdin)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

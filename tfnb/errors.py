@@ -1,0 +1,37 @@
+"""The errors tfnb raises: one line each, naming the value received and what is accepted."""
+
+
+class TfnbError(Exception):
+    """Base class of every error tfnb raises on purpose."""
+
+
+class SpecError(TfnbError, ValueError):
+    """A cluster description (address list, dict, file, TF_CONFIG) that cannot be used."""
+
+
+class ClusterError(TfnbError):
+    """The cluster cannot do what was asked: unreachable, not connected, a worker lost."""
+
+
+class UnreachableError(ClusterError):
+    """One or more workers did not answer within the timeout."""
+
+
+class NotConnectedError(ClusterError):
+    """An operation needs a connected cluster and there is none."""
+
+
+class WorkerLostError(ClusterError):
+    """A worker died or stopped answering while it held state of ours."""
+
+
+class ModelError(TfnbError, ValueError):
+    """A model name, path or file that cannot be loaded."""
+
+
+class PlacementError(TfnbError, ValueError):
+    """A plan or assignment that does not fit the model or the cluster."""
+
+
+class GenerateError(TfnbError, ValueError):
+    """Bad arguments to generate (prompt, token counts, sampling settings)."""
