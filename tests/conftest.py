@@ -30,12 +30,11 @@ def cluster(local_workers):
         return tfnb.connect(local_workers, timeout=5.0)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def ipython():
-    """A real IPython shell with the tfnb extension loaded."""
-    from IPython.testing.globalipapp import start_ipython
+    """A real IPython shell with the tfnb extension loaded (one per session, as IPython allows)."""
+    from IPython.testing.globalipapp import get_ipython
 
-    shell = start_ipython()
+    shell = get_ipython()
     shell.run_line_magic("load_ext", "tfnb")
-    yield shell
-    shell.user_ns.pop("_", None)
+    return shell

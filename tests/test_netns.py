@@ -1,0 +1,114 @@
+"""Several hosts on one machine (network namespaces): a multi-host cluster, a cut link, and the
+loopback guard seen from another host."""
+import json
+import subprocess
+import sys
+import threading
+import time
+import warnings
+
+import pytest
+
+import tfnb
+from tfnb.cluster import LocalCluster
+from tfnb.cluster.probe import probe
+
+from .netns import Hosts, unavailable
+
+_why = unavailable()
+pytestmark = [pytest.mark.netns, pytest.mark.skipif(bool(_why), reason=f"{_why}; multi-host tests need it")]
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    h = Hosts(3)
+    yield h
+    h.close()
+
+
+def _probe_from(hosts, i, address, timeout=2.0):
+    code = f"from tfnb.cluster.probe import probe; print(probe({address!r}, {timeout}).state)"
+    res = hosts.run(i, [sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    return res.stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def remote_workers(hosts):
+    spec = {"worker": [f"{a}:2222" for a in hosts.addresses[:2]]}
+    procs = [hosts.popen(i, [sys.executable, "-m", "tfnb.cli", "worker", "--cluster", json.dumps(spec),
+                             "--task", str(i)], stdout=subprocess.PIPE, text=True) for i in range(2)]
+    lines = {}
+    readers = [threading.Thread(target=lambda i=i, p=p: lines.__setitem__(i, p.stdout.readline()), daemon=True)
+               for i, p in enumerate(procs)]
+    for t in readers:
+        t.start()
+    for t in readers:
+        t.join(60)
+    try:
+        assert all(lines.get(i, "").startswith("TFNB_READY") for i in range(2)), lines
+        yield spec
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(10)
+
+
+def test_workers_on_two_hosts_compute_together_and_reach_the_client(hosts, remote_workers):
+    import tensorflow as tf
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cluster = tfnb.connect(remote_workers, timeout=3)
+    # the client's TF server is advertised on the bridge, not as 'localhost'
+    assert cluster.client_address.startswith(f"{hosts.gateway}:")
+    assert _probe_from(hosts, 0, cluster.client_address) == "up"
+    w0, w1 = (f"{t}/device:CPU:0" for t in cluster.workers)
+
+    @tf.function
+    def across(x):
+        with tf.device(w0):
+            y = tf.matmul(x, x)
+        with tf.device(w1):
+            return tf.reduce_sum(y)
+
+    assert float(across(tf.ones([4, 4]))) == 64.0
+    assert cluster.status(timeout=2).all_up
+
+
+def test_a_cut_link_shows_unresponsive_within_the_timeout(hosts, remote_workers):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cluster = tfnb.connect(remote_workers, timeout=3)
+    hosts.cut(0)
+    try:
+        start = time.monotonic()
+        st = cluster.status(timeout=2.0)
+        assert time.monotonic() - start < 2.0 + 1.0
+        assert st.states == {f"{hosts.addresses[0]}:2222": "unresponsive", f"{hosts.addresses[1]}:2222": "up"}
+    finally:
+        hosts.mend(0)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not cluster.status(timeout=2).all_up:
+        time.sleep(0.5)
+    assert cluster.status(timeout=2).all_up
+
+
+def test_loopback_guard_hides_a_local_cluster_from_other_hosts(hosts):
+    open_lc, guarded = LocalCluster(1), LocalCluster(1, isolate=True)
+    try:
+        # Without the guard another host reaches the worker: TF binds every interface.
+        assert _probe_from(hosts, 2, f"{hosts.gateway}:{open_lc.ports[0]}") == "up"
+        assert _probe_from(hosts, 2, f"{hosts.gateway}:{guarded.ports[0]}") == "unresponsive"
+        assert probe(guarded.addresses[0], 2).state == "up"  # loopback still works
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            cluster = tfnb.connect(guarded)
+        client = f"{hosts.gateway}:{cluster.client_address.rsplit(':', 1)[1]}"
+        assert _probe_from(hosts, 2, client) == "unresponsive"  # the client's server is guarded too
+        assert set(cluster.servers().values()) == {"loopback (guarded)"}
+        table = guarded.guard.table
+    finally:
+        open_lc.close()
+        guarded.close()
+    tables = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True).stdout
+    assert table not in tables
