@@ -216,3 +216,18 @@ def test_local_cluster_rejects_bad_sizes():
     for bad in (0, -1, 65, 2.5, "2", True):
         with pytest.raises(tfnb.TfnbError, match=repr(bad).replace("(", r"\(")):
             LocalCluster(bad)
+
+
+def test_local_command_runs_workers_until_interrupted():
+    proc = subprocess.Popen([sys.executable, "-m", "tfnb.cli", "local", "-n", "1"], stdout=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        head = [proc.stdout.readline() for _ in range(2)]
+        assert head[0].startswith("1 workers running")
+        address = head[1].split()[-1]
+        assert tfnb.cluster.probe.probe(address, 5).state == "up"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(15) == 0
+        assert tfnb.cluster.probe.probe(address, 2).state == "down"
+    finally:
+        proc.kill()

@@ -1,0 +1,236 @@
+"""Read a llama-architecture GGUF file into canonical float32 weights and a tokenizer.
+
+Two layout traps, both handled here:
+
+- GGUF matrices are stored ``(out, in)``; canonical (Keras) kernels are ``(in, out)``.
+- llama.cpp's converter permutes the rows of ``attn_q``/``attn_k`` within each head from HF's
+  rotary layout (first half, second half) to interleaved pairs. ``unpermute_rows`` undoes it:
+  rows ``(n_heads, head_dim/2, 2)`` -> ``(n_heads, 2, head_dim/2)``. With the opposite direction
+  SmolLM2 babbles; with this one it answers "The capital of France is Paris."
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from tfnb.errors import ModelError
+from tfnb.models.llama import LlamaConfig, weight_shapes
+from tfnb.models.progress import Reporter, silent
+from tfnb.models.tokenizer import Tokenizer, tokenizer_from_gguf_fields
+
+__all__ = ["read_gguf", "unpermute_rows", "permute_rows", "SUPPORTED_ARCHITECTURES"]
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+_BLOCK_TENSORS = {
+    "attn_norm": "attn_norm", "attn_q": "wq", "attn_k": "wk", "attn_v": "wv",
+    "attn_output": "wo", "ffn_norm": "mlp_norm", "ffn_gate": "w_gate", "ffn_up": "w_up",
+    "ffn_down": "w_down",
+}
+
+
+def unpermute_rows(w_RxC: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's per-head rotary row permutation of an ``(out, in)`` q/k matrix.
+
+    Examples
+    --------
+    >>> w = np.arange(8.0)[:, None]           # one head, head_dim 8
+    >>> unpermute_rows(permute_rows(w, 1), 1)[:, 0].tolist() == w[:, 0].tolist()
+    True
+    >>> permute_rows(w, 1)[:, 0].tolist()     # HF halves -> llama.cpp pairs
+    [0.0, 4.0, 1.0, 5.0, 2.0, 6.0, 3.0, 7.0]
+    """
+    rows, cols = w_RxC.shape
+    w_HxPx2xC = w_RxC.reshape(n_heads, rows // n_heads // 2, 2, cols)
+    return w_HxPx2xC.swapaxes(1, 2).reshape(rows, cols)
+
+
+def permute_rows(w_RxC: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's permutation (HF rotary halves -> interleaved pairs); inverse of ``unpermute_rows``.
+
+    Examples
+    --------
+    >>> permute_rows(np.arange(4.0)[:, None], 1)[:, 0].tolist()
+    [0.0, 2.0, 1.0, 3.0]
+    """
+    rows, cols = w_RxC.shape
+    w_Hx2xPxC = w_RxC.reshape(n_heads, 2, rows // n_heads // 2, cols)
+    return w_Hx2xPxC.swapaxes(1, 2).reshape(rows, cols)
+
+
+def _reader_class():
+    """``gguf.GGUFReader`` parsing through a plain ndarray view of its memory map.
+
+    Slicing an ``np.memmap`` runs Python-level ``__array_finalize__`` for each of the ~250k
+    metadata items of a tokenizer; a plain view of the same buffer makes opening SmolLM2's file
+    about 2x faster. Tensor data still points into the map (nothing is read eagerly).
+    """
+    import gguf
+
+    class _PlainViewReader(gguf.GGUFReader):
+        @property
+        def data(self):
+            return self._plain_data
+
+        @data.setter
+        def data(self, value):
+            self._plain_data = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+
+    return _PlainViewReader
+
+
+def _field_value(field):
+    return field.contents()
+
+
+def _metadata(reader) -> dict:
+    return {key: _field_value(field) for key, field in reader.fields.items()
+            if not key.startswith("GGUF.")}
+
+
+def _short_float(value) -> float:
+    """The shortest decimal that rounds to the same float32 (GGUF's 1e-5 reads as 9.99999975e-06)."""
+    return float(str(np.float32(value)))
+
+
+def _config(meta: dict, path: str) -> LlamaConfig:
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelError(f"GGUF architecture {arch!r} in {path!r} is not supported: "
+                         f"expected one of {list(SUPPORTED_ARCHITECTURES)}")
+
+    def get(key, default=None):
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ModelError(f"GGUF file {path!r} lacks metadata '{arch}.{key}': "
+                             "expected a complete llama GGUF")
+        return value
+
+    n_heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    rope_dims = meta.get(f"{arch}.rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != hidden // n_heads:
+        raise ModelError(f"GGUF rope.dimension_count={rope_dims} differs from head_dim="
+                         f"{hidden // n_heads}: only full-head rotary embeddings are supported")
+    if meta.get(f"{arch}.rope.scaling.type") not in (None, "none"):
+        raise ModelError(f"GGUF rope scaling {meta[f'{arch}.rope.scaling.type']!r} is not "
+                         "supported: expected none")
+    vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    return LlamaConfig(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        n_layers=int(get("block_count")),
+        n_heads=n_heads,
+        n_kv_heads=int(get("attention.head_count_kv", n_heads)),
+        ffn_size=int(get("feed_forward_length")),
+        rope_theta=_short_float(get("rope.freq_base", 10000.0)),
+        norm_eps=_short_float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        max_context=int(get("context_length", 2048)),
+        tie_embeddings=True,  # fixed below from the tensor list
+        bos_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_ids=() if eos is None else (int(eos),),
+    )
+
+
+def _canonical(gguf_name: str) -> str | None:
+    if gguf_name == "token_embd.weight":
+        return "embed"
+    if gguf_name == "output_norm.weight":
+        return "final_norm"
+    if gguf_name == "output.weight":
+        return "lm_head"
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" and parts[2] in _BLOCK_TENSORS:
+        return f"blocks.{int(parts[1])}.{_BLOCK_TENSORS[parts[2]]}"
+    return None
+
+
+def _dequantize(tensor, config: LlamaConfig, name: str) -> np.ndarray:
+    """float32 canonical array of one GGUF tensor (transposed and un-permuted as needed)."""
+    from gguf.quants import dequantize
+
+    w = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+    if np.may_share_memory(w, tensor.data):
+        w = w.copy()  # F32 tensors come back as views of the read-only file map
+    if w.ndim == 1 or name == "embed":
+        return np.ascontiguousarray(w)   # norms (d,); embed is already (vocab, d)
+    if name.endswith(".wq"):
+        w = unpermute_rows(w, config.n_heads)
+    elif name.endswith(".wk"):
+        w = unpermute_rows(w, config.n_kv_heads)
+    return np.ascontiguousarray(w.T)     # (out, in) -> (in, out)
+
+
+def read_gguf(path, report: Reporter = silent) -> tuple[LlamaConfig, dict, Tokenizer, str]:
+    """Config, canonical float32 weights, tokenizer and name of a llama GGUF file.
+
+    Raises ``ModelError`` for a missing, truncated or corrupt file, an unsupported architecture,
+    quantization or tokenizer.
+
+    Examples
+    --------
+    >>> config, weights, tok, name = read_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")  # doctest: +SKIP
+    >>> config.n_layers  # doctest: +SKIP
+    30
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ModelError(f"GGUF file {path!r} does not exist: expected a path to a .gguf file")
+    report(0, 1, "reading")
+    try:
+        reader = _reader_class()(path)
+        meta = _metadata(reader)
+        size = os.path.getsize(path)
+        for tensor in reader.tensors:
+            if tensor.data_offset + tensor.n_bytes > size:
+                raise ValueError(f"tensor {tensor.name} ends past the end of the file")
+    except ModelError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - gguf/numpy raise many types for a bad file
+        raise ModelError(f"{path!r} is truncated or not a GGUF file ({type(exc).__name__}: "
+                         f"{str(exc)[:120]}): expected a complete .gguf file") from None
+    report(1, 1, "reading")
+
+    config = _config(meta, path)
+    names = {t.name: _canonical(t.name) for t in reader.tensors}
+    unknown = sorted(n for n, c in names.items() if c is None)
+    if unknown:
+        raise ModelError(f"GGUF file {path!r} has tensors {unknown[:3]} that tfnb does not "
+                         "support: expected only llama tensors (token_embd, blk.N.*, output*)")
+    import dataclasses
+
+    config = dataclasses.replace(config, tie_embeddings="output.weight" not in names)
+    expected = weight_shapes(config)
+    missing = sorted(set(expected) - set(names.values()))
+    if missing:
+        raise ModelError(f"GGUF file {path!r} lacks tensors for {missing[:3]}: "
+                         "expected a complete llama model")
+    weights: dict[str, np.ndarray] = {}
+    total = len(reader.tensors)
+    report(0, total, "dequantizing")
+    for i, tensor in enumerate(reader.tensors):
+        name = names[tensor.name]
+        try:
+            w = _dequantize(tensor, config, name)
+        except NotImplementedError as exc:
+            raise ModelError(f"GGUF tensor {tensor.name} has type {tensor.tensor_type.name}, "
+                             f"which gguf cannot dequantize ({exc}): expected a common "
+                             "quantization (F32, F16, Q8_0, Q4_0, Q4_1, K-quants)") from None
+        if w.shape != expected[name]:
+            raise ModelError(f"GGUF tensor {tensor.name} has shape {w.shape} after conversion: "
+                             f"expected {expected[name]}")
+        weights[name] = w
+        report(i + 1, total, "dequantizing")
+    try:
+        tokenizer = tokenizer_from_gguf_fields(meta)
+    except ModelError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises bare Exception
+        raise ModelError(f"GGUF tokenizer metadata in {path!r} is unusable ({type(exc).__name__}: "
+                         f"{str(exc)[:120]}): expected GPT-2 style tokens and merges") from None
+    model_name = meta.get("general.name") or os.path.basename(path)
+    del reader  # drops the file's memory map
+    return config, {n: weights[n] for n in expected}, tokenizer, str(model_name)

@@ -1,0 +1,346 @@
+"""Llama-family decoder: config, canonical numpy weights, and conversion to/from HF TFMistral.
+
+Canonical weights are float32 numpy arrays in Keras orientation, ``(in, out)``, with the q/k
+projection columns already in Hugging Face's rotary layout (halves, not interleaved pairs)::
+
+    embed                      (vocab, d)
+    blocks.{i}.attn_norm       (d,)
+    blocks.{i}.wq              (d, n_heads * hd)
+    blocks.{i}.wk              (d, n_kv_heads * hd)
+    blocks.{i}.wv              (d, n_kv_heads * hd)
+    blocks.{i}.wo              (n_heads * hd, d)
+    blocks.{i}.mlp_norm        (d,)
+    blocks.{i}.w_gate          (d, ffn)
+    blocks.{i}.w_up            (d, ffn)
+    blocks.{i}.w_down          (ffn, d)
+    final_norm                 (d,)
+    lm_head                    (d, vocab)   only when ``tie_embeddings`` is False
+
+Transformers has no TF Llama class; ``TFMistralForCausalLM`` with ``sliding_window=None`` computes
+the same function, so it is the reference implementation here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tfnb.errors import ModelError
+
+__all__ = [
+    "LlamaConfig",
+    "tiny_config",
+    "random_weights",
+    "weight_shapes",
+    "to_hf",
+    "from_hf",
+    "hf_config",
+    "config_from_hf",
+    "weights_from_hf_variables",
+]
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Shape and hyper-parameters of a llama-family decoder.
+
+    Examples
+    --------
+    >>> cfg = LlamaConfig(vocab_size=96, hidden_size=64, n_layers=2, n_heads=4,
+    ...                   n_kv_heads=2, ffn_size=128)
+    >>> cfg.head_dim
+    16
+    """
+
+    vocab_size: int
+    hidden_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_size: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    max_context: int = 2048
+    tie_embeddings: bool = True
+    bos_id: int | None = None
+    eos_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        for field in ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads",
+                      "ffn_size", "max_context"):
+            value = getattr(self, field)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+                raise ModelError(f"LlamaConfig.{field}={value!r}: expected a positive integer")
+        if self.hidden_size % self.n_heads:
+            raise ModelError(f"LlamaConfig.hidden_size={self.hidden_size} is not divisible by "
+                             f"n_heads={self.n_heads}: expected a multiple")
+        if self.n_heads % self.n_kv_heads:
+            raise ModelError(f"LlamaConfig.n_kv_heads={self.n_kv_heads} does not divide "
+                             f"n_heads={self.n_heads}: expected a divisor")
+        if (self.hidden_size // self.n_heads) % 2:
+            raise ModelError(f"LlamaConfig head_dim={self.hidden_size // self.n_heads} is odd: "
+                             "rotary embeddings need an even head_dim")
+        object.__setattr__(self, "eos_ids", tuple(int(i) for i in self.eos_ids))
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head, ``hidden_size // n_heads``."""
+        return self.hidden_size // self.n_heads
+
+
+def tiny_config(**overrides) -> LlamaConfig:
+    """A small config for fast tests: vocab 96, hidden 64, 2 layers, 4 heads, 2 KV heads.
+
+    Parameters
+    ----------
+    **overrides
+        Any ``LlamaConfig`` field to change.
+
+    Examples
+    --------
+    >>> tiny_config().n_layers
+    2
+    >>> tiny_config(n_layers=3).n_layers
+    3
+    """
+    fields = dict(vocab_size=96, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                  ffn_size=128, rope_theta=10000.0, norm_eps=1e-5, max_context=256,
+                  tie_embeddings=True, bos_id=1, eos_ids=(2,))
+    unknown = set(overrides) - set(fields)
+    if unknown:
+        raise ModelError(f"tiny_config got unknown field(s) {sorted(unknown)}: "
+                         f"accepted are {sorted(fields)}")
+    fields.update(overrides)
+    return LlamaConfig(**fields)
+
+
+def weight_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Canonical weight name -> shape, in block order.
+
+    Examples
+    --------
+    >>> weight_shapes(tiny_config())["blocks.0.wk"]
+    (64, 32)
+    """
+    d, hd, ffn = config.hidden_size, config.head_dim, config.ffn_size
+    shapes: dict[str, tuple[int, ...]] = {"embed": (config.vocab_size, d)}
+    for i in range(config.n_layers):
+        p = f"blocks.{i}."
+        shapes.update({
+            p + "attn_norm": (d,),
+            p + "wq": (d, config.n_heads * hd),
+            p + "wk": (d, config.n_kv_heads * hd),
+            p + "wv": (d, config.n_kv_heads * hd),
+            p + "wo": (config.n_heads * hd, d),
+            p + "mlp_norm": (d,),
+            p + "w_gate": (d, ffn),
+            p + "w_up": (d, ffn),
+            p + "w_down": (ffn, d),
+        })
+    shapes["final_norm"] = (d,)
+    if not config.tie_embeddings:
+        shapes["lm_head"] = (d, config.vocab_size)
+    return shapes
+
+
+def random_weights(config: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random float32 weights whose logits are well spread (no ties among the top tokens).
+
+    Matrices are drawn N(0, 1/fan_in) so activations keep unit scale through the blocks. The
+    embedding (and an untied ``lm_head``) is N(0, 0.35^2): after the final RMSNorm the hidden state
+    has norm ~sqrt(d), so logits have standard deviation ~0.35 sqrt(d) (~2.8 for d=64), spread
+    enough that greedy decoding has no ties and sampling still varies. Norm gains are 1 + N(0, 0.1^2).
+
+    Examples
+    --------
+    >>> w = random_weights(tiny_config(), seed=0)
+    >>> w["embed"].shape, w["embed"].dtype
+    ((96, 64), dtype('float32'))
+    """
+    rng = np.random.default_rng(seed)
+    weights = {}
+    for name, shape in weight_shapes(config).items():
+        if len(shape) == 1:
+            w = 1.0 + 0.1 * rng.standard_normal(shape)
+        elif name in ("embed", "lm_head"):
+            w = 0.35 * rng.standard_normal(shape)
+        else:
+            w = rng.standard_normal(shape) / np.sqrt(shape[0])
+        weights[name] = w.astype(np.float32)
+    return weights
+
+
+def hf_config(config: LlamaConfig):
+    """The ``transformers.MistralConfig`` equivalent of ``config`` (``sliding_window=None``).
+
+    Examples
+    --------
+    >>> hf_config(tiny_config()).num_key_value_heads
+    2
+    """
+    from transformers import MistralConfig
+
+    eos = list(config.eos_ids)
+    return MistralConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.ffn_size,
+        num_hidden_layers=config.n_layers,
+        num_attention_heads=config.n_heads,
+        num_key_value_heads=config.n_kv_heads,
+        head_dim=config.head_dim,
+        max_position_embeddings=config.max_context,
+        rms_norm_eps=config.norm_eps,
+        rope_theta=float(config.rope_theta),
+        tie_word_embeddings=config.tie_embeddings,
+        sliding_window=None,
+        bos_token_id=config.bos_id,
+        eos_token_id=(eos[0] if len(eos) == 1 else eos) if eos else None,
+        pad_token_id=eos[0] if eos else None,
+    )
+
+
+def config_from_hf(hf_cfg) -> LlamaConfig:
+    """The ``LlamaConfig`` of a transformers Mistral/Llama config object.
+
+    Examples
+    --------
+    >>> config_from_hf(hf_config(tiny_config())) == tiny_config()
+    True
+    """
+    eos = hf_cfg.eos_token_id
+    eos_ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+    hidden, heads = hf_cfg.hidden_size, hf_cfg.num_attention_heads
+    head_dim = getattr(hf_cfg, "head_dim", None) or hidden // heads
+    if head_dim != hidden // heads:
+        raise ModelError(f"config head_dim={head_dim} differs from hidden_size // num_heads = "
+                         f"{hidden // heads}: only head_dim == hidden_size // num_heads is supported")
+    return LlamaConfig(
+        vocab_size=hf_cfg.vocab_size,
+        hidden_size=hidden,
+        n_layers=hf_cfg.num_hidden_layers,
+        n_heads=heads,
+        n_kv_heads=getattr(hf_cfg, "num_key_value_heads", None) or heads,
+        ffn_size=hf_cfg.intermediate_size,
+        rope_theta=float(getattr(hf_cfg, "rope_theta", 10000.0)),
+        norm_eps=float(hf_cfg.rms_norm_eps),
+        max_context=hf_cfg.max_position_embeddings,
+        tie_embeddings=bool(getattr(hf_cfg, "tie_word_embeddings", False)),
+        bos_id=hf_cfg.bos_token_id,
+        eos_ids=eos_ids,
+    )
+
+
+# HF variable path (after the model's own top-level scope) -> canonical name; {i} is the block.
+_HF_BLOCK_NAMES = {
+    "self_attn/q_proj/kernel:0": "wq",
+    "self_attn/k_proj/kernel:0": "wk",
+    "self_attn/v_proj/kernel:0": "wv",
+    "self_attn/o_proj/kernel:0": "wo",
+    "mlp/gate_proj/kernel:0": "w_gate",
+    "mlp/up_proj/kernel:0": "w_up",
+    "mlp/down_proj/kernel:0": "w_down",
+    "input_layernorm/weight:0": "attn_norm",
+    "post_attention_layernorm/weight:0": "mlp_norm",
+}
+
+
+def _canonical_name(hf_name: str) -> str | None:
+    """Map a TFMistral variable name to a canonical name (``"lm_head"`` for the head kernel)."""
+    if hf_name.endswith("lm_head/kernel:0"):
+        return "lm_head"
+    if "/model/" not in "/" + hf_name:
+        return None
+    tail = ("/" + hf_name).split("/model/", 1)[1]
+    if tail == "embed_tokens/embeddings:0":
+        return "embed"
+    if tail == "norm/weight:0":
+        return "final_norm"
+    if tail.startswith("layers."):
+        index, rest = tail[len("layers."):].split("/", 1)
+        if rest in _HF_BLOCK_NAMES and index.isdigit():
+            return f"blocks.{int(index)}.{_HF_BLOCK_NAMES[rest]}"
+    return None
+
+
+def weights_from_hf_variables(config: LlamaConfig, variables) -> dict[str, np.ndarray]:
+    """Canonical float32 weights from TFMistral variables (anything with ``.name``/``.numpy()``).
+
+    Examples
+    --------
+    >>> cfg = tiny_config()
+    >>> w = weights_from_hf_variables(cfg, to_hf(cfg, random_weights(cfg)).weights)
+    >>> sorted(w) == sorted(weight_shapes(cfg))
+    True
+    """
+    expected = weight_shapes(config)
+    weights: dict[str, np.ndarray] = {}
+    for var in variables:
+        name = _canonical_name(var.name)
+        if name is None or (name == "lm_head" and config.tie_embeddings):
+            continue  # a tied model's lm_head kernel is just embed.T
+        weights[name] = np.asarray(var.numpy(), dtype=np.float32)
+    missing = sorted(set(expected) - set(weights))
+    if missing:
+        raise ModelError(f"HF model lacks weights {missing[:4]}{'...' if len(missing) > 4 else ''}:"
+                         " expected a TFMistral-style causal LM")
+    for name, shape in expected.items():
+        if weights[name].shape != shape:
+            raise ModelError(f"weight {name!r} has shape {weights[name].shape}: expected {shape}")
+    return {name: weights[name] for name in expected}
+
+
+def to_hf(config: LlamaConfig, weights: dict[str, np.ndarray]):
+    """A built ``transformers.TFMistralForCausalLM`` holding ``weights``.
+
+    When embeddings are tied, TF Mistral still owns an ``lm_head`` kernel; it is set to
+    ``embed.T`` (a second copy of the embedding, in the HF model only).
+
+    Examples
+    --------
+    >>> cfg = tiny_config()
+    >>> model = to_hf(cfg, random_weights(cfg))
+    >>> model(np.array([[1, 5, 7]])).logits.shape
+    TensorShape([1, 3, 96])
+    """
+    from transformers import TFMistralForCausalLM
+
+    expected = weight_shapes(config)
+    missing = sorted(set(expected) - set(weights))
+    if missing:
+        raise ModelError(f"weights lack {missing[:4]}: expected every name of weight_shapes(config)")
+    model = TFMistralForCausalLM(hf_config(config))
+    model(np.zeros((1, 1), dtype=np.int32))  # build every variable
+    assigned = set()
+    for var in model.weights:
+        name = _canonical_name(var.name)
+        if name is None:
+            raise ModelError(f"unexpected TFMistral variable {var.name!r}: cannot map it")
+        if name == "lm_head" and config.tie_embeddings:
+            value = weights["embed"].T
+        else:
+            value = weights[name]
+        if tuple(var.shape) != value.shape:
+            raise ModelError(f"weight {name!r} has shape {value.shape}: expected {tuple(var.shape)}")
+        var.assign(value)
+        assigned.add(name)
+    assert assigned >= set(expected), sorted(set(expected) - assigned)
+    return model
+
+
+def from_hf(tf_model) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
+    """Config and canonical weights of a built TFMistral-style causal LM.
+
+    Examples
+    --------
+    >>> cfg = tiny_config()
+    >>> cfg2, w2 = from_hf(to_hf(cfg, random_weights(cfg)))
+    >>> cfg2 == cfg
+    True
+    """
+    config = config_from_hf(tf_model.config)
+    if not tf_model.built or not tf_model.weights:
+        tf_model(np.zeros((1, 1), dtype=np.int32))
+    return config, weights_from_hf_variables(config, tf_model.weights)
+
