@@ -35,3 +35,7 @@ class PlacementError(TfnbError, ValueError):
 
 class GenerateError(TfnbError, ValueError):
     """Bad arguments to generate (prompt, token counts, sampling settings)."""
+
+
+class ProfileError(TfnbError):
+    """A profile cannot be captured or read: not connected, still capturing, bad arguments."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import shlex
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_magic, magics_class
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from tfnb.errors import TfnbError
@@ -22,16 +22,25 @@ def _flags_for(action: str) -> set[str]:
             "status": {"timeout", "output"}}.get(action, set())
 
 
+def _parse_line(magic, line: str, prefix: str):
+    """Parse ``line`` with ``magic``'s argument spec; every failure is one UsageError."""
+    try:
+        shlex.split(line)
+        args = parse_argstring(magic, line)
+    except ValueError as e:  # unbalanced quotes, in shlex's or IPython's own splitting
+        raise UsageError(f"{prefix}: cannot parse {line!r}: {e}") from None
+    output = getattr(args, "output", None)
+    if output is not None and not output.isidentifier():
+        raise UsageError(f"{prefix}: -o {output!r} is not a valid variable name")
+    return args
+
+
 def parse_tfcluster(line: str) -> tuple[str, dict, str | None]:
     """Parse a ``%tfcluster`` line into (action, keyword arguments of its function, output name).
 
     Raises UsageError naming the bad value. Pure: touches no cluster.
     """
-    try:
-        shlex.split(line)
-    except ValueError as e:
-        raise UsageError(f"%tfcluster: cannot parse {line!r}: {e}") from None
-    args = parse_argstring(TfnbMagics.tfcluster, line)
+    args = _parse_line(TfnbMagics.tfcluster, line, "%tfcluster")
     action = args.action
     if action not in _ACTIONS:
         raise UsageError(f"%tfcluster: unknown action {action!r}; expected one of {', '.join(_ACTIONS)}")
@@ -41,8 +50,6 @@ def parse_tfcluster(line: str) -> tuple[str, dict, str | None]:
         flag = sorted(extra)[0].replace("_", "-")
         raise UsageError(f"%tfcluster {action}: option --{flag} does not apply; "
                          f"it takes {', '.join('--' + f.replace('_', '-') for f in sorted(_flags_for(action))) or 'no options'}")
-    if args.output is not None and not args.output.isidentifier():
-        raise UsageError(f"%tfcluster: -o {args.output!r} is not a valid variable name")
     if args.timeout is not None and not 0 < args.timeout <= 3600:
         raise UsageError(f"%tfcluster: --timeout {args.timeout:g}; expected seconds, > 0 and <= 3600")
     kw: dict = {}
@@ -72,9 +79,24 @@ def parse_tfcluster(line: str) -> tuple[str, dict, str | None]:
     return action, kw, args.output
 
 
+def parse_tfprofile(line: str, cell: str | None) -> tuple[dict, str | None]:
+    """Parse a ``%%tfprofile`` line into (keyword arguments of ``profile_call``, output name).
+
+    Raises UsageError naming the bad value. Pure: touches no cluster.
+    """
+    args = _parse_line(TfnbMagics.tfprofile, line, "%%tfprofile")
+    if not 0 < args.timeout <= 3600:
+        raise UsageError(f"%%tfprofile: --timeout {args.timeout:g}; expected seconds, > 0 and <= 3600")
+    if args.trace_dir is not None and not args.trace_dir.strip():
+        raise UsageError(f"%%tfprofile: --trace-dir {args.trace_dir!r}; expected a directory path")
+    if cell is None or not cell.strip():
+        raise UsageError("%%tfprofile: the cell is empty; put the code to profile on the lines below %%tfprofile")
+    return {"timeout": args.timeout, "trace_dir": args.trace_dir}, args.output
+
+
 @magics_class
 class TfnbMagics(Magics):
-    """``%tfcluster`` (and, as they land, ``%tfplace`` and ``%%tfprofile``)."""
+    """``%tfcluster``, ``%%tfprofile`` (and, as it lands, ``%tfplace``)."""
 
     @magic_arguments()
     @argument("action", help="one of: " + ", ".join(_ACTIONS))
@@ -121,6 +143,59 @@ class TfnbMagics(Magics):
         if output:
             self.shell.user_ns[output] = result
         return result
+
+
+    @magic_arguments()
+    @argument("-o", "--output", default=None, help="store the Profile in this variable")
+    @argument("--trace-dir", default=None,
+              help="also write the raw traces there, in TensorBoard's plugins/profile layout")
+    @argument("--timeout", type=float, default=60.0,
+              help="most seconds to wait for any worker to start or return its trace (default 60)")
+    @cell_magic
+    def tfprofile(self, line: str = "", cell: str | None = None):
+        """Run the cell while tracing every worker of the connected cluster and this process.
+
+        Shows a :class:`tfnb.profiler.Profile` (busy time per device, transfers, timeline). The
+        cell's own exceptions propagate as usual; the capture is stopped either way (and with
+        ``-o`` the profile of the failed run is stored too).
+
+        Examples
+        --------
+        ::
+
+          %%tfprofile -o prof --timeout 30
+          out = placed.generate("Hello", max_new_tokens=8)
+        """
+        kw, output = parse_tfprofile(line, cell)
+        import ast
+
+        from tfnb.profiler import profile_call
+
+        code = compile(ast.parse(self.shell.transform_cell(cell)), "<%%tfprofile cell>", "exec")
+        started = []
+
+        def run_cell():
+            started.append(True)
+            exec(code, self.shell.user_ns)  # noqa: S102 - the user's own cell, as %%time does
+
+        try:
+            result = profile_call(run_cell, **kw)
+        except TfnbError as e:
+            if not started:  # ours (e.g. not connected), not the cell's
+                raise UsageError(str(e)) from None
+            self._store(output, e)
+            raise
+        except BaseException as e:
+            self._store(output, e)
+            raise
+        if output:
+            self.shell.user_ns[output] = result
+        return result
+
+    def _store(self, output: str | None, exc: BaseException) -> None:
+        prof = getattr(exc, "tfnb_profile", None)
+        if output and prof is not None:
+            self.shell.user_ns[output] = prof
 
 
 def load_ipython_extension(ipython) -> None:

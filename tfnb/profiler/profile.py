@@ -1,0 +1,372 @@
+"""The :class:`Profile` data object: tables computed from the captured events, several views."""
+from __future__ import annotations
+
+import html
+import re
+from collections.abc import Mapping
+
+from tfnb.errors import ProfileError
+
+_MS = 1e6
+
+
+def short(device: str) -> str:
+    """``/job:worker/replica:0/task:1/device:CPU:0`` -> ``worker/1 CPU:0``."""
+    m = re.match(r"/job:([^/]+)/replica:\d+/task:(\d+)(?:/device:(.+))?$", device)
+    if not m:
+        return device
+    job = "client" if m.group(1) == "tfnb_client" else f"{m.group(1)}/{m.group(2)}"
+    return f"{job} {m.group(3)}" if m.group(3) else job
+
+
+def union_ns(intervals, lo: int, hi: int) -> int:
+    """Total length of the union of ``(start, end)`` intervals clipped to [lo, hi]."""
+    total, cur_s, cur_e = 0, None, None
+    for s, e in sorted((max(lo, s), min(hi, e)) for s, e in intervals):
+        if e <= s:
+            continue
+        if cur_e is None or s > cur_e:
+            total += 0 if cur_e is None else cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    return total + (0 if cur_e is None else cur_e - cur_s)
+
+
+def _function_name(function) -> str:
+    if isinstance(function, str):
+        return function
+    name = getattr(function, "name", None) or getattr(function, "__name__", None)
+    if not isinstance(name, str):
+        raise ProfileError(f"function={function!r}; expected a tf.function, a Python function or a name")
+    return name
+
+
+class Profile:
+    """TensorFlow runtime traces of every worker and of this process, on one time axis.
+
+    Made by :func:`tfnb.profiler.profile` and ``%%tfprofile``. All tables are lists of dicts
+    (``to_pandas`` turns one into a DataFrame when pandas is installed); times are in ms.
+
+    Attributes
+    ----------
+    partial : bool
+        True when some worker (or this process) could not be traced; ``reasons`` says why.
+    reasons : dict
+        ``{worker task or "client": reason}``.
+    wall_ms : float
+        Length of the profiled block, measured on this process's clock.
+    offsets_ms : dict
+        Clock offset subtracted from each host's events (0 where clocks agree).
+
+    Examples
+    --------
+    >>> with tfnb.profiler.profile() as prof:           # doctest: +SKIP
+    ...     y = chain(x)
+    >>> prof.busy()                                     # doctest: +SKIP
+    [{'device': '/job:worker/replica:0/task:0/device:CPU:0', 'compute_ms': 1.2, ...}, ...]
+    >>> prof.transfers(chain)                           # doctest: +SKIP
+    """
+
+    def __init__(self, data: dict | None = None):
+        self._ready = False
+        self._figure_cache: dict = {}
+        self.partial, self.reasons, self.wall_ms = False, {}, 0.0
+        if data is not None:
+            self._fill(data)
+
+    def _fill(self, raw: dict) -> None:
+        """Take a finished capture. The traces are parsed on first use, not here, so that leaving
+        the profiled block costs only collecting them (see the overhead notes in capture.py)."""
+        self._raw = raw
+        self.window_ns = raw["t_end"] - raw["t_begin"]
+        self.wall_ms = self.window_ns / _MS
+        self.reasons = dict(raw["reasons"])
+        self.partial = bool(self.reasons)
+        self.spaces = {k: v[1] for k, v in raw["spaces"].items()}
+        self._built = None
+        self._ready = True
+
+    def _check(self) -> None:
+        if not self._ready:
+            raise ProfileError("the capture is still running; read the profile after the `with` block")
+        if self._built is None:
+            from tfnb.profiler.build import build
+
+            raw, built = self._raw, build(self._raw)
+            devs = [f"{w}/device:CPU:0" for w in raw["workers"] if w in raw["spaces"]]
+            devs += [e.device for e in built["events"]]
+            if "client" in raw["spaces"]:
+                devs.append(raw["client_device"])
+            built["devices"] = list(dict.fromkeys(devs))
+            self._built = built
+
+    @property
+    def events(self) -> list:
+        """Every traced op (:class:`~tfnb.profiler.xplane.Event`), in time order."""
+        self._check()
+        return self._built["events"]
+
+    @property
+    def functions(self) -> dict:
+        """``{step id: function name}``."""
+        self._check()
+        return self._built["functions"]
+
+    @property
+    def devices(self) -> list[str]:
+        """Traced devices: workers in cluster order, then this process."""
+        self._check()
+        return self._built["devices"]
+
+    @property
+    def offsets_ms(self) -> dict:
+        """Clock offset taken off each host's events (0 where the clocks agree)."""
+        self._check()
+        return {k: v / _MS for k, v in self._built["offsets_ns"].items()}
+
+    # --- tables ---------------------------------------------------------------------------
+    def busy(self) -> list[dict]:
+        """Per device: compute, send/receive (incl. waiting for data) and idle time in the block.
+
+        ``compute_ms + send_recv_ms + idle_ms == wall_ms``: overlapping ops on several threads
+        are counted once (compute first).
+
+        Examples
+        --------
+        >>> [(r["device"], r["compute_ms"]) for r in prof.busy()]     # doctest: +SKIP
+        """
+        self._check()
+        rows = []
+        for dev in self.devices:
+            evs = [e for e in self.events if e.device == dev]
+            spans = {c: [(e.start, e.start + e.dur) for e in evs if e.category == c] for c in ("compute", "send/receive")}
+            compute = union_ns(spans["compute"], 0, self.window_ns)
+            busy = union_ns(spans["compute"] + spans["send/receive"], 0, self.window_ns)
+            rows.append({"device": dev, "compute_ms": compute / _MS, "send_recv_ms": (busy - compute) / _MS,
+                         "idle_ms": (self.window_ns - busy) / _MS, "busy_ms": busy / _MS,
+                         "wall_ms": self.wall_ms, "ops": len(evs)})
+        return rows
+
+    def steps(self) -> list[dict]:
+        """One row per step (one call of a ``tf.function``, on every device it touched).
+
+        Examples
+        --------
+        >>> prof.steps()[0]["function"]                             # doctest: +SKIP
+        '__inference_chain_32'
+        """
+        self._check()
+        spans: dict = {}
+        for e in self.events:
+            if e.step is not None:
+                s = spans.setdefault(e.step, [e.start, e.start + e.dur, set()])
+                s[0], s[1] = min(s[0], e.start), max(s[1], e.start + e.dur)
+                s[2].add(e.device)
+        rows = [{"step": k, "function": self.functions.get(k), "start_ms": s / _MS, "end_ms": t / _MS,
+                 "duration_ms": (t - s) / _MS, "devices": sorted(d)} for k, (s, t, d) in spans.items()]
+        return sorted(rows, key=lambda r: r["start_ms"])
+
+    def calls(self, function) -> list[int]:
+        """Step ids of the calls of ``function`` (a ``tf.function``, its Python name or its
+        ``__inference_...`` name)."""
+        self._check()
+        name = _function_name(function)
+        pat = re.compile(rf"^__inference_{re.escape(name)}_\d+$")
+        return [k for k, f in self.functions.items() if f == name or (f and pat.match(f))]
+
+    def transfers(self, function=None) -> list[dict]:
+        """Bytes and transfer count per source -> destination device.
+
+        With ``function``, only its calls are counted and ``bytes_per_call`` /
+        ``count_per_call`` are added. ``unknown`` counts transfers whose size was not traced.
+
+        Examples
+        --------
+        >>> prof.transfers(chain)                                  # doctest: +SKIP
+        [{'source': '.../task:0/device:CPU:0', 'destination': '.../task:1/device:CPU:0',
+          'bytes': 6144, 'count': 3, 'unknown': 0, 'calls': 3, 'bytes_per_call': 2048.0, ...}]
+        """
+        self._check()
+        steps = set(self.calls(function)) if function is not None else None
+        cells: dict = {}
+        for e in self.events:
+            st = e.stats
+            if e.category != "send/receive" or not st or not st.get("counted") or (steps is not None and e.step not in steps):
+                continue
+            c = cells.setdefault((st["src"], st["dst"]), {"bytes": 0, "count": 0, "unknown": 0})
+            c["count"] += 1
+            if st.get("bytes") is None:
+                c["unknown"] += 1
+            else:
+                c["bytes"] += st["bytes"]
+        rows = [{"source": s, "destination": d, **c} for (s, d), c in sorted(cells.items())]
+        if steps is not None:
+            for r in rows:
+                r.update(calls=len(steps), bytes_per_call=r["bytes"] / max(1, len(steps)),
+                         count_per_call=r["count"] / max(1, len(steps)))
+        return rows
+
+    def transfer_matrix(self, function=None) -> tuple[list[str], list[list[int]], list[list[int]]]:
+        """``(devices, bytes[src][dst], count[src][dst])`` over every device seen."""
+        rows = self.transfers(function)
+        devs = list(dict.fromkeys(self.devices + [r[k] for r in rows for k in ("source", "destination")]))
+        nbytes = [[0] * len(devs) for _ in devs]
+        count = [[0] * len(devs) for _ in devs]
+        for r in rows:
+            i, j = devs.index(r["source"]), devs.index(r["destination"])
+            nbytes[i][j], count[i][j] = r["bytes"], r["count"]
+        return devs, nbytes, count
+
+    def top_ops(self, n: int = 10, by: str = "name") -> list[dict]:
+        """The ``n`` ops (``by="name"``: node and device; ``by="op"``: op type) with the most time.
+
+        Examples
+        --------
+        >>> prof.top_ops(3, by="op")                                # doctest: +SKIP
+        """
+        self._check()
+        if by not in ("name", "op"):
+            raise ProfileError(f"by={by!r}; expected 'name' or 'op'")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ProfileError(f"n={n!r}; expected an integer >= 1")
+        agg: dict = {}
+        for e in self.events:
+            key = (e.name, e.op, e.device) if by == "name" else (e.op,)
+            a = agg.setdefault(key, [0, 0])
+            a[0] += 1
+            a[1] += e.dur
+        rows = []
+        for key, (cnt, tot) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:n]:
+            row = dict(zip(("name", "op", "device"), key)) if by == "name" else {"op": key[0]}
+            row.update(count=cnt, total_ms=tot / _MS, mean_us=tot / cnt / 1e3)
+            rows.append(row)
+        return rows
+
+    def stage_times(self, assignment, predicted: Mapping | None = None) -> list[dict]:
+        """Measured time per stage, from a ``{stage: device or [devices]}`` map (or a plan with
+        an ``assignment`` attribute); ``predicted`` (``{stage: ms}``) adds a predicted column.
+
+        A stage's time is the compute time of its ops on its devices: the ops in the stage's
+        name scope (``stage/...``) when there are any, otherwise every op on those devices.
+
+        Examples
+        --------
+        >>> prof.stage_times({"block0": w0, "block1": w1}, predicted={"block0": 2.0, "block1": 2.1})  # doctest: +SKIP
+        """
+        self._check()
+        assignment = getattr(assignment, "assignment", assignment)
+        if not isinstance(assignment, Mapping) or not assignment:
+            raise ProfileError(f"assignment={assignment!r}; expected a non-empty {{stage: device}} mapping")
+        rows = []
+        for stage, devs in assignment.items():
+            devs = [devs] if isinstance(devs, str) else list(devs)
+            full = [d for d in self.devices if any(d == x or d.startswith(x.rstrip("/") + "/") or
+                                                     short(d) == x for x in devs)]
+            if not full:
+                raise ProfileError(f"stage {stage!r}: device {devs!r} was not traced; traced: {self.devices}")
+            evs = [e for e in self.events if e.device in full and e.category == "compute"]
+            scoped = [e for e in evs if e.name == str(stage) or e.name.startswith(f"{stage}/")]
+            use = scoped or evs
+            row = {"stage": stage, "devices": full, "basis": "name scope" if scoped else "device",
+                   "measured_ms": sum(union_ns([(e.start, e.start + e.dur) for e in use if e.device == d], 0, self.window_ns)
+                                      for d in full) / _MS}
+            if predicted is not None:
+                row["predicted_ms"] = predicted.get(stage)
+            rows.append(row)
+        return rows
+
+    def to_pandas(self, table: str = "busy", **kwargs):
+        """One table (``busy``, ``steps``, ``transfers``, ``top_ops``) as a pandas DataFrame."""
+        try:
+            import pandas as pd
+        except ImportError:
+            raise ProfileError("to_pandas needs pandas, which is not installed; the tables are "
+                               "plain lists of dicts") from None
+        tables = {"busy": self.busy, "steps": self.steps, "transfers": self.transfers, "top_ops": self.top_ops}
+        if table not in tables:
+            raise ProfileError(f"table={table!r}; expected one of {', '.join(tables)}")
+        return pd.DataFrame(tables[table](**kwargs))
+
+    # --- views ----------------------------------------------------------------------------
+    def plot(self, kind: str = "summary", **kwargs):
+        """A matplotlib Figure: ``summary``, ``busy``, ``timeline``, ``transfers`` or ``stages``.
+
+        Examples
+        --------
+        >>> fig = prof.plot("timeline")                             # doctest: +SKIP
+        """
+        self._check()
+        from tfnb.profiler import plots
+
+        return plots.figure(self, kind, **kwargs)
+
+    def save(self, path, kind: str = "summary", **kwargs) -> None:
+        """Write a figure to ``path`` (``.png`` or ``.svg``)."""
+        from pathlib import Path
+
+        suffix = Path(path).suffix.lower()
+        if suffix not in (".png", ".svg"):
+            raise ProfileError(f"path={str(path)!r}; expected a .png or .svg file name")
+        self.plot(kind, **kwargs).savefig(path, format=suffix[1:], bbox_inches="tight")
+
+    def export_tensorboard(self, logdir) -> str:
+        """Write the raw traces where TensorBoard's profile plugin reads them; returns the run dir."""
+        self._check()
+        from tfnb.profiler.export import tensorboard
+
+        return tensorboard(self, logdir)
+
+    def export_chrome_trace(self, path) -> str:
+        """Write the merged timeline as Chrome / Perfetto trace JSON; returns the path."""
+        self._check()
+        from tfnb.profiler.export import chrome_trace
+
+        return chrome_trace(self, path)
+
+    def _summary_png(self) -> str:
+        if "png" not in self._figure_cache:
+            import base64
+            import io
+
+            buf = io.BytesIO()  # memory only: _repr_html_ does no I/O
+            self.plot("summary").savefig(buf, format="png", dpi=72, bbox_inches="tight")
+            self._figure_cache["png"] = base64.b64encode(buf.getvalue()).decode()
+        return self._figure_cache["png"]
+
+    def __repr__(self) -> str:
+        if not self._ready:
+            return "<tfnb Profile: capturing>"
+        state = " PARTIAL" if self.partial else ""
+        return f"<tfnb Profile{state}: {self.wall_ms:.1f} ms, {len(self.spaces)} hosts traced>"
+
+    def __str__(self) -> str:
+        if not self._ready:
+            return repr(self)
+        lines = [repr(self)]
+        lines += [f"  not traced: {k}: {v}" for k, v in self.reasons.items()]
+        lines.append(f"  {'device':<22}{'compute':>10}{'send/recv':>11}{'idle':>10}  (ms)")
+        lines += [f"  {short(r['device']):<22}{r['compute_ms']:>10.2f}{r['send_recv_ms']:>11.2f}{r['idle_ms']:>10.2f}"
+                  for r in self.busy()]
+        for t in self.transfers():
+            unknown = f" ({t['unknown']} of untraced size)" if t["unknown"] else ""
+            lines.append(f"  {short(t['source'])} -> {short(t['destination'])}: {t['bytes']} B in {t['count']} transfers{unknown}")
+        return "\n".join(lines)
+
+    def _repr_pretty_(self, p, cycle) -> None:
+        p.text(str(self))
+
+    def _repr_html_(self) -> str:
+        if not self._ready:
+            return html.escape(repr(self))
+        esc = html.escape
+        out = [f"<b>{esc(repr(self))}</b>"]
+        if self.partial:
+            out.append("<ul>" + "".join(f"<li>not traced: {esc(k)}: {esc(v)}</li>" for k, v in self.reasons.items()) + "</ul>")
+        head = "".join(f"<th>{h}</th>" for h in ("device", "compute ms", "send/recv ms", "idle ms", "ops"))
+        body = "".join(f"<tr><td>{esc(short(r['device']))}</td><td>{r['compute_ms']:.2f}</td><td>{r['send_recv_ms']:.2f}</td>"
+                       f"<td>{r['idle_ms']:.2f}</td><td>{r['ops']}</td></tr>" for r in self.busy())
+        out.append(f"<table><tr>{head}</tr>{body}</table>")
+        if self.events:
+            out.append(f'<img src="data:image/png;base64,{self._summary_png()}"/>')
+        return "\n".join(out)
