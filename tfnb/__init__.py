@@ -26,10 +26,16 @@ _LAZY = {
     "ExposedServerWarning": "tfnb.cluster", "LoopbackGuard": "tfnb.cluster",
     "load_model": "tfnb.models", "Model": "tfnb.models", "LayerChain": "tfnb.models",
     "place": "tfnb.runtime", "PlacedModel": "tfnb.runtime",
+    "profile": "tfnb.profiler", "Profile": "tfnb.profiler",
+    "plan": "tfnb.placement", "Plan": "tfnb.placement", "Topology": "tfnb.placement",
 }
 
 
 def __getattr__(name):
+    if name in ("cluster", "models", "runtime", "placement", "profiler", "notebook"):
+        import importlib
+
+        return importlib.import_module(f"tfnb.{name}")
     if name in _LAZY:
         import importlib
 

@@ -1,0 +1,233 @@
+"""Placement: cost model, planners (optimal proven against brute force), Plan files and views."""
+import itertools
+import json
+import math
+
+import numpy as np
+import pytest
+
+from tfnb.errors import PlacementError
+from tfnb.models import LayerChain, Stage, tiny
+from tfnb.placement import (Plan, Topology, greedy_assignment, measure_topology,
+                            memory_assignment, plan, predict)
+from tfnb.placement.cost import stage_memory
+
+MB = 10**6
+
+
+def random_chain(rng, n):
+    kinds = ["embed"] + ["block"] * (n - 2) + ["head"] if n >= 2 else ["block"]
+    stages = []
+    for k, kind in enumerate(kinds):
+        stages.append(Stage(f"s{k}", kind, int(rng.integers(1, 10)) * MB,
+                            0 if kind == "embed" else int(rng.integers(1, 50)) * 10**6,
+                            int(rng.choice([256, 4096, 10**6])), int(rng.integers(0, 3)) * 1000,
+                            attn_flops_per_context=int(rng.integers(0, 1000))))
+    return LayerChain(stages)
+
+
+def random_topology(rng, n_dev, chain, identical=False):
+    names = [f"d{i}" for i in range(n_dev)]
+    need = sum(stage_memory(chain, 1, 16))
+    memory = rng.uniform(0.3, 1.0, n_dev) * need
+    flops = rng.choice([1e9, 2e9, 3e9, 4e9], n_dev)
+    lat = rng.uniform(1e-5, 5e-3, (n_dev, n_dev))
+    bw = rng.choice([1e8, 1e9, 1e10], (n_dev, n_dev))
+    if identical:  # devices 0 and 1 interchangeable (all their figures and links equal)
+        memory[1], flops[1] = memory[0], flops[0]
+        lat[0, 1] = lat[1, 0]
+        bw[0, 1] = bw[1, 0]
+        for m in (lat, bw):
+            m[1, 2:], m[2:, 1] = m[0, 2:], m[2:, 0]
+    times = {}
+    if rng.random() < 0.3:  # a measured stage time overrides the FLOP estimate
+        times[(chain.names[-1], names[-1])] = float(rng.uniform(1e-4, 1e-1))
+    return Topology(names, memory=[max(1, int(m)) for m in memory], flops=flops, latency=lat,
+                    bandwidth=bw, stage_times=times)
+
+
+def brute_force(chain, topo, objective, batch=1, context_len=16):
+    """Best objective over every assignment where each device holds one contiguous run."""
+    best = math.inf
+    for combo in itertools.product(topo.devices, repeat=len(chain)):
+        runs = [d for k, d in enumerate(combo) if k == 0 or combo[k - 1] != d]
+        if len(runs) != len(set(runs)):
+            continue  # a device revisited: outside the claim
+        p = predict(chain, dict(zip(chain.names, combo)), topo, batch, context_len)
+        if p.over_memory():
+            continue
+        best = min(best, p.latency_s if objective == "latency" else p.bottleneck_s)
+    return best
+
+
+@pytest.mark.parametrize("objective", ["latency", "throughput"])
+def test_optimal_matches_brute_force(objective):
+    rng = np.random.default_rng(7 if objective == "latency" else 11)
+    checked = infeasible = 0
+    for trial in range(40):
+        n, n_dev = int(rng.integers(2, 8)), int(rng.integers(1, 5))
+        if n == 7 and n_dev == 4:
+            n_dev = 3
+        chain = random_chain(rng, n)
+        topo = random_topology(rng, n_dev, chain, identical=n_dev >= 3 and trial % 2 == 0)
+        expected = brute_force(chain, topo, objective)
+        if math.isinf(expected):
+            with pytest.raises(PlacementError):
+                plan(chain, topo, objective=objective, context_len=16)
+            infeasible += 1
+            continue
+        got = plan(chain, topo, objective=objective, context_len=16).prediction
+        value = got.latency_s if objective == "latency" else got.bottleneck_s
+        assert value == pytest.approx(expected, rel=1e-9), (trial, chain.names, topo)
+        assert not got.over_memory()
+        checked += 1
+    assert checked >= 25 and infeasible >= 1  # both outcomes were exercised
+
+
+def test_interchangeable_devices_are_grouped():
+    chain = tiny("llama").chain
+    lat = np.array([[0, 1e-4, 1e-3], [1e-4, 0, 1e-3], [1e-3, 1e-3, 0]])
+    topo = Topology(["a", "b", "c"], memory="1MB", latency=lat)
+    assert topo.classes() == [[0, 1], [2]]
+    assert Topology(["a", "b", "c"], memory=["1MB", "1MB", "2MB"]).classes() == [[0, 1], [2]]
+
+
+@pytest.mark.parametrize("mode", ["optimal", "greedy", "memory", "replicate"])
+def test_every_planner_respects_memory_including_kv(mode):
+    chain = load_chain_like_smollm2()
+    params = chain.total_param_bytes
+    kv = sum(chain.kv_bytes(4, 2048).values())
+    cap = params + kv // 2 if mode == "replicate" else (params + kv) // 3 + 20 * MB
+    topo = Topology([f"d{i}" for i in range(4)], memory=cap, flops=[1e12, 2e12, 3e12, 4e12])
+    if mode == "replicate":  # the weights alone fit, with the KV cache they do not
+        with pytest.raises(PlacementError, match="KV"):
+            plan(chain, topo, mode=mode, batch=4 * 4, context_len=2048)
+        topo = topo.with_max_memory({d: params + kv for d in topo.devices})
+    p = plan(chain, topo, mode=mode, batch=4, context_len=2048)
+    for dev, used in p.prediction.memory.items():
+        assert used <= p.prediction.capacity[dev]
+    if mode != "replicate":  # the KV cache is counted where its stage is
+        assert sum(p.prediction.memory.values()) == params + kv
+
+
+def load_chain_like_smollm2():
+    """SmolLM2-135M's shape (embed, 30 blocks, tied head) without reading the weights."""
+    blocks = [Stage(f"block.{i}", "block", 14_155_776, 7_077_888, 2304, 1536,
+                    attn_flops_per_context=2304) for i in range(30)]
+    return LayerChain([Stage("embed", "embed", 113_246_208, 0, 2304, 0), *blocks,
+                       Stage("head", "head", 113_248_512, 56_623_104, 196_608, 0)])
+
+
+def test_memory_planner_is_accelerates_sequential_fill():
+    # Accelerate: GPUs first, then CPU; a module goes to the current device while
+    # used + size <= max_memory, otherwise to the next device, never back.
+    chain = LayerChain([Stage(f"s{k}", "block", b * MB, 1, 4, 0)
+                        for k, b in enumerate([3, 4, 2, 1, 2, 1])])
+    topo = Topology(["/cpu:0", "/gpu:0", "/gpu:1"], memory=["100MB", "6MB", "7MB"])
+    got = memory_assignment(chain, topo)
+    assert got == {"s0": "/gpu:0",                                   # 3 <= 6; 3 + 4 > 6
+                   "s1": "/gpu:1", "s2": "/gpu:1", "s3": "/gpu:1",  # 4 + 2 + 1 = 7 <= 7
+                   "s4": "/cpu:0", "s5": "/cpu:0"}  # never back to gpu:0's 3 MB left
+    assert plan(chain, topo, mode="memory", context_len=0).assignment == got
+
+
+def test_greedy_is_the_whitepapers_earliest_finish_rule():
+    # s0 costs 0 everywhere (a tie: the first device); s1 finishes first on the fast device
+    # despite the 0.1 s hop; s2 stays there (no hop); then "fast" is full and s3 goes where it
+    # finishes first counting its hop: mid (0.5 s hop + 2 s) beats slow (0.1 s hop + 4 s) ...
+    chain = LayerChain([Stage("s0", "embed", 1 * MB, 0, 1000, 0),
+                        Stage("s1", "block", 2 * MB, 4 * 10**9, 1000, 0),
+                        Stage("s2", "block", 2 * MB, 4 * 10**9, 1000, 0),
+                        Stage("s3", "head", 2 * MB, 4 * 10**9, 1000, 0)])
+    lat = np.array([[0, 0.1, 0.1], [0.1, 0, 0.5], [0.1, 0.01, 0]])
+
+    def topo(lat):
+        return Topology(["slow", "fast", "mid"], memory=["10MB", "4MB", "10MB"],
+                        flops=[1e9, 4e9, 2e9], latency=lat, bandwidth=1e9)
+
+    assert greedy_assignment(chain, topo(lat), context_len=0) == {
+        "s0": "slow", "s1": "fast", "s2": "fast", "s3": "mid"}
+    lat[1, 2] = 3.0   # ... unless the hop to mid costs more than the 2 s it saves
+    assert greedy_assignment(chain, topo(lat), context_len=0)["s3"] == "slow"
+
+
+def test_fits_nowhere_says_by_how_much():
+    chain = load_chain_like_smollm2()   # 651 MB of parameters in stages
+    topo = Topology(["a", "b"], memory=["256MB", "256MB"])
+    with pytest.raises(PlacementError) as e:
+        plan(chain, topo, context_len=256)
+    msg = str(e.value)
+    assert "needs 651 MB + 12 MB KV" in msg and "has 512 MB: 151 MB short" in msg
+    with pytest.raises(PlacementError, match=r"stage 'head' needs 113 MB .* has 100 MB: 13 MB"):
+        plan(chain, Topology(["a", "b", "c", "d", "e", "f", "g", "h"], memory="100MB"),
+             context_len=0)
+
+
+def test_plan_json_round_trip_diff_and_python(tmp_path):
+    chain = load_chain_like_smollm2()
+    topo = Topology(["/job:worker/replica:0/task:0/device:CPU:0",
+                     "/job:worker/replica:0/task:1/device:CPU:0"], memory="400MB",
+                    flops=[1e10, 2e10])
+    a = plan(chain, topo, mode="optimal", context_len=128)
+    b = plan(chain, topo, mode="memory", context_len=128)
+    assert Plan.load(a.save(tmp_path / "a.json")) == a
+    rebuilt = {}
+    exec(a.to_python(), rebuilt)   # the snippet is what a user pastes into a cell
+    assert rebuilt["plan"] == a
+    moves = a.diff(b)
+    assert {(s, x, y) for s, x, y in moves.moves} == {
+        (s, a.assignment[s], b.assignment[s]) for s in chain.names
+        if a.assignment[s] != b.assignment[s]}
+    assert not a.diff(a) and str(a.diff(a)) == "no stage moved"
+    assert "worker:0/CPU:0 -> worker:1/CPU:0" in str(moves) or "worker:1/CPU:0 -> " in str(moves)
+    segs = a.segments()
+    assert [s for seg in segs for s in seg.stages] == chain.names
+    assert all(x.device != y.device for x, y in zip(segs, segs[1:]))
+    text, page = str(a), a._repr_html_()
+    assert "worker:0/CPU:0" in text and "ms/token" in text and "<table>" in page
+
+
+def test_bad_files_and_plans_are_refused(tmp_path):
+    chain = tiny("llama").chain
+    topo = Topology(["a", "b"], memory="1MB")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(PlacementError, match="not valid JSON"):
+        Plan.load(bad)
+    bad.write_text(json.dumps({"format": "tfnb.plan", "mode": "optimal"}))
+    with pytest.raises(PlacementError, match="has no 'objective'"):
+        Plan.load(bad)
+    with pytest.raises(PlacementError, match="no plan file"):
+        Plan.load(tmp_path / "missing.json")
+    ok = dict.fromkeys(chain.names, "a")
+    with pytest.raises(PlacementError, match="unknown stage 'blok.7'"):
+        Plan.from_assignment(chain, {**ok, "blok.7": "a"}, topo)
+    with pytest.raises(PlacementError, match="stage 'head' has no device"):
+        Plan.from_assignment(chain, {k: v for k, v in ok.items() if k != "head"}, topo)
+    with pytest.raises(PlacementError, match="unknown device 'z'"):
+        Plan.from_assignment(chain, {**ok, "head": "z"}, topo)
+    with pytest.raises(PlacementError, match=r"device 'a' would hold 0\.9 MB .* has 0\.1 MB"):
+        Plan(ok).validate(chain, topo.with_max_memory({"a": "100kB"}))
+    with pytest.raises(PlacementError, match="mode='fast'"):
+        plan(chain, topo, mode="fast")
+    with pytest.raises(PlacementError, match="objective='speed'"):
+        plan(chain, topo, objective="speed")
+    with pytest.raises(PlacementError, match="unknown device 'q'"):
+        plan(chain, topo, max_memory={"q": "1GB"})
+
+
+def test_measure_topology_on_real_cluster(cluster):
+    from tfnb.placement import clear_cache
+
+    clear_cache()
+    topo = measure_topology(cluster, repeats=2, tensor_bytes=1_000_000, matmul_n=128)
+    n = len(cluster.devices)
+    assert topo.devices == tuple(cluster.devices) and n >= 2
+    off = ~np.eye(n, dtype=bool)
+    assert (topo.latency[off] > 0).all() and (topo.bandwidth[off] > 0).all()
+    assert np.isfinite(topo.bandwidth[off]).all() and (topo.flops > 0).all()
+    assert np.isfinite(topo.memory).all() and (topo.memory > 0).all()
+    assert measure_topology(cluster, repeats=2, tensor_bytes=1_000_000, matmul_n=128) is topo
+    assert len(topo.classes()) == 1   # two CPU workers on one host: one kind, smoothed
+    p = plan(tiny("llama"), cluster, context_len=16)   # a Cluster goes through the cache
+    assert set(p.assignment.values()) <= set(cluster.devices)

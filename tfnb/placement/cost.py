@@ -1,0 +1,377 @@
+"""The cost model: a ``Topology`` of devices and links, and ``predict`` for an assignment.
+
+Per decode step of ``batch`` sequences (one new token each), a stage ``s`` on device ``d`` costs
+
+    t(s, d) = stage_times[(s, d)]                    if measured (seconds per step at this batch)
+            = batch * s.flops(context_len) / flops[d]  otherwise (compute bound, no overlap)
+
+and a hop from device ``a`` to ``b != a`` carrying ``n`` bytes costs
+``latency[a, b] + n / bandwidth[a, b]``.
+The activations leaving stage ``k`` cross when stage ``k + 1`` is elsewhere (``batch`` x
+``act_bytes_out_per_token``); after the head, the sampled token ids (4 bytes each, sampling runs
+next to the head) return to the embedding's device for the next step.
+
+- **latency** (seconds per step, hence per token of one sequence) = every stage time + every hop,
+  the return hop included: one token has to go round the whole ring before the next can start.
+- **throughput** (tokens/s) = ``batch / bottleneck``, the bottleneck being the busiest resource:
+  a device (the sum of its stages' times) or a directed link (the sum of its hops' times, latency
+  included: a link is taken to carry one message at a time). This is the steady state of a
+  pipeline with enough independent batches in flight (at least one per segment); with a single
+  batch in flight throughput is ``batch / latency``.
+- **bytes per token** = bytes crossing devices per step / ``batch``.
+- **memory** per device = parameters of its stages + their KV cache for ``batch`` x
+  ``context_len`` tokens. Activations and workspace are not counted.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tfnb.errors import PlacementError
+
+__all__ = ["Topology", "Prediction", "predict", "parse_bytes", "short_device", "TOKEN_BYTES",
+           "DEFAULT_CONTEXT_LEN"]
+
+TOKEN_BYTES = 4            # one int32 token id per sequence returns from head to embed
+DEFAULT_CONTEXT_LEN = 1024  # context assumed when the caller gives none (KV cache and attention)
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value) -> float:
+    """Bytes from an int, a float or a string such as ``"512MB"`` or ``"2 GiB"``.
+
+    Examples
+    --------
+    >>> parse_bytes("512MB"), parse_bytes("1 KiB"), parse_bytes(10)
+    (512000000, 1024, 10)
+    """
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b|b)?\s*", value.lower())
+        if not m:
+            raise PlacementError(f"memory {value!r}: expected bytes such as 512000000, '512MB' "
+                                 "or '2GiB'")
+        return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+    if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool) \
+            and value > 0:
+        return value if math.isinf(value) else int(value)
+    raise PlacementError(f"memory {value!r}: expected a positive number of bytes or a string "
+                         "such as '512MB'")
+
+
+def short_device(device: str) -> str:
+    """``/job:worker/replica:0/task:1/device:CPU:0`` -> ``worker:1/CPU:0``; others unchanged.
+
+    Examples
+    --------
+    >>> short_device("/job:worker/replica:0/task:1/device:CPU:0")
+    'worker:1/CPU:0'
+    """
+    m = re.fullmatch(r"/job:([^/]+)/replica:\d+/task:(\d+)/device:(.+)", device)
+    return f"{m.group(1)}:{m.group(2)}/{m.group(3)}" if m else device
+
+
+def _mb(n: float) -> str:
+    return "inf" if math.isinf(n) else f"{n / 1e6:,.0f} MB"
+
+
+def _per_device(name: str, value, devices: tuple[str, ...], positive=True) -> np.ndarray:
+    """A scalar, a sequence (one per device) or a dict device -> value, as a float array."""
+    if isinstance(value, dict):
+        unknown = [d for d in value if d not in devices]
+        missing = [d for d in devices if d not in value]
+        if unknown or missing:
+            bad = f"unknown device {unknown[0]!r}" if unknown else f"no value for {missing[0]!r}"
+            raise PlacementError(f"{name}: {bad}: expected one value per device of {list(devices)}")
+        value = [value[d] for d in devices]
+    if name == "memory":
+        value = [parse_bytes(v) for v in value] if np.ndim(value) else parse_bytes(value)
+    arr = np.broadcast_to(np.asarray(value, dtype=float), (len(devices),)).copy() \
+        if np.ndim(value) == 0 or len(value) == len(devices) else None
+    if arr is None:
+        raise PlacementError(f"{name} has {len(value)} values for {len(devices)} devices: "
+                             "expected a scalar or one per device")
+    if np.isnan(arr).any() or ((arr <= 0).any() if positive else (arr < 0).any()):
+        raise PlacementError(f"{name}={value!r}: expected positive numbers")
+    return arr
+
+
+def _matrix(name: str, value, n: int, positive: bool) -> np.ndarray:
+    arr = np.asarray(value, dtype=float)
+    if arr.ndim == 0:
+        arr = np.full((n, n), float(arr))
+    if arr.shape != (n, n):
+        raise PlacementError(f"{name} has shape {arr.shape}: expected a scalar or ({n}, {n})")
+    off = arr[~np.eye(n, dtype=bool)]
+    if np.isnan(off).any() or ((off <= 0).any() if positive else (off < 0).any()):
+        raise PlacementError(f"{name} has a {'non-positive' if positive else 'negative'} or NaN "
+                             "entry off the diagonal: expected "
+                             f"{'positive' if positive else 'non-negative'} numbers")
+    return arr
+
+
+class Topology:
+    """Devices (plain strings) with memory, speed and the links between them.
+
+    Parameters
+    ----------
+    devices : sequence of str
+    memory : bytes per device (scalar, sequence, dict; ``"512MB"`` strings allowed; inf = unlimited)
+    flops : FLOP/s per device (relative speeds work too: only ratios matter to the planners)
+    latency : seconds per hop, a scalar or a ``(D, D)`` matrix (``latency[a, b]`` for a -> b)
+    bandwidth : bytes/s per hop, a scalar or a ``(D, D)`` matrix
+    stage_times : ``{(stage, device): seconds per step}``, measured times that replace the
+        FLOP-based estimate (calibration, e.g. from the runtime's per-stage timings)
+
+    Examples
+    --------
+    >>> topo = Topology(["a", "b"], memory="1GB", flops=[1e9, 2e9], latency=1e-4, bandwidth=1e9)
+    >>> topo
+    Topology(2 devices: a, b; 1,000 MB each; 1-2 GFLOP/s)
+    >>> topo.link_s(0, 1, 1000)   # 100 us + 1 us
+    0.000101
+    """
+
+    def __init__(self, devices, memory=math.inf, flops=1e10, latency=1e-4, bandwidth=1e9,
+                 stage_times=None):
+        devices = tuple(devices) if not isinstance(devices, str) else (devices,)
+        if not devices or not all(isinstance(d, str) and d for d in devices):
+            raise PlacementError(f"devices={devices!r}: expected a non-empty list of device "
+                                 "strings")
+        if len(set(devices)) != len(devices):
+            dup = next(d for d in devices if devices.count(d) > 1)
+            raise PlacementError(f"device {dup!r} is listed twice: expected distinct devices")
+        self.devices = devices
+        self.memory = _per_device("memory", memory, devices)
+        self.flops = _per_device("flops", flops, devices)
+        self.latency = _matrix("latency", latency, len(devices), positive=False)
+        self.bandwidth = _matrix("bandwidth", bandwidth, len(devices), positive=True)
+        self.stage_times = {}
+        for key, seconds in dict(stage_times or {}).items():
+            if not (isinstance(key, tuple) and len(key) == 2 and key[1] in devices):
+                raise PlacementError(f"stage_times key {key!r}: expected (stage, device) with a "
+                                     f"device of {list(devices)}")
+            if not (isinstance(seconds, (int, float)) and seconds >= 0):
+                raise PlacementError(f"stage_times[{key!r}]={seconds!r}: expected seconds >= 0")
+            self.stage_times[key] = float(seconds)
+
+    # --- lookups ----------------------------------------------------------------------------
+    def index(self, device: str) -> int:
+        """Position of ``device``; PlacementError naming the known devices if absent."""
+        try:
+            return self.devices.index(device)
+        except ValueError:
+            raise PlacementError(f"unknown device {device!r}: expected one of "
+                                 f"{list(self.devices)}") from None
+
+    def link_s(self, a: int, b: int, nbytes: float) -> float:
+        """Seconds to move ``nbytes`` from device index ``a`` to ``b`` (0 on the same device)."""
+        return 0.0 if a == b else float(self.latency[a, b] + nbytes / self.bandwidth[a, b])
+
+    def stage_s(self, stage, d: int, batch: int = 1, context_len: int = 0) -> float:
+        """Seconds one decode step of ``stage`` takes on device index ``d``."""
+        measured = self.stage_times.get((stage.name, self.devices[d]))
+        if measured is not None:
+            return measured
+        return batch * stage.flops(context_len) / float(self.flops[d])
+
+    # --- derived topologies -----------------------------------------------------------------
+    def _copy(self, **changes) -> "Topology":
+        kw = dict(devices=self.devices, memory=self.memory, flops=self.flops,
+                  latency=self.latency, bandwidth=self.bandwidth, stage_times=self.stage_times)
+        kw.update(changes)
+        return Topology(**kw)
+
+    def with_max_memory(self, max_memory) -> "Topology":
+        """A copy whose memory caps are replaced by ``max_memory`` (dict device -> bytes).
+
+        Examples
+        --------
+        >>> Topology(["a", "b"], memory="1GB").with_max_memory({"b": "200MB"}).memory.tolist()
+        [1000000000.0, 200000000.0]
+        """
+        if max_memory is None:
+            return self
+        if not isinstance(max_memory, dict):
+            raise PlacementError(f"max_memory={max_memory!r}: expected a dict device -> bytes")
+        memory = self.memory.copy()
+        for dev, cap in max_memory.items():
+            memory[self.index(dev)] = parse_bytes(cap)
+        return self._copy(memory=memory)
+
+    def with_stage_times(self, stage_times: dict) -> "Topology":
+        """A copy with measured ``{(stage, device): seconds}`` added (calibration hook)."""
+        return self._copy(stage_times={**self.stage_times, **dict(stage_times)})
+
+    def classes(self) -> list[list[int]]:
+        """Groups of interchangeable device indices (swapping two leaves every figure unchanged).
+
+        Two devices are interchangeable when they have the same memory, speed and measured
+        stage times and swapping them maps the latency and bandwidth matrices onto themselves.
+        Such swaps generate a group, so the relation is an equivalence.
+        """
+        n = len(self.devices)
+        times = [tuple(sorted((s, t) for (s, dev), t in self.stage_times.items() if dev == d))
+                 for d in self.devices]
+        parent = list(range(n))
+
+        def swappable(a, b):
+            if (self.memory[a], self.flops[a], times[a]) != \
+                    (self.memory[b], self.flops[b], times[b]):
+                return False
+            perm = list(range(n))
+            perm[a], perm[b] = b, a
+            return all(np.array_equal(m[np.ix_(perm, perm)][~np.eye(n, dtype=bool)],
+                                      m[~np.eye(n, dtype=bool)])
+                       for m in (self.latency, self.bandwidth))
+
+        for a in range(n):
+            for b in range(a + 1, n):
+                if parent[b] == b and parent[a] == a and swappable(a, b):
+                    parent[b] = a
+        groups: dict[int, list[int]] = {}
+        for d in range(n):
+            groups.setdefault(parent[d], []).append(d)
+        return list(groups.values())
+
+    def __repr__(self) -> str:
+        names = ", ".join(short_device(d) for d in self.devices[:3])
+        more = f", ... ({len(self.devices)} devices)" if len(self.devices) > 3 else ""
+        lo, hi = self.memory.min(), self.memory.max()
+        mem = f"{_mb(lo)} each" if lo == hi else f"{_mb(lo)} to {_mb(hi)}"
+        g = self.flops / 1e9
+        return (f"Topology({len(self.devices)} devices: {names}{more}; {mem}; "
+                f"{g.min():.3g}-{g.max():.3g} GFLOP/s)")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted figures of one assignment (see the module docstring for the model).
+
+    ``latency_s`` seconds per step; ``throughput`` tokens/s (pipelined); ``bytes_per_token``
+    crossing devices; ``memory`` and ``capacity`` in bytes per device; ``bottleneck`` names the
+    busiest resource and ``bottleneck_s`` its seconds per step.
+    """
+
+    latency_s: float
+    throughput: float
+    bytes_per_token: float
+    memory: dict = field(default_factory=dict)
+    capacity: dict = field(default_factory=dict)
+    bottleneck: str = ""
+    bottleneck_s: float = 0.0
+
+    def __repr__(self) -> str:
+        return (f"Prediction({self.latency_s * 1e3:.3g} ms/token, {self.throughput:.3g} tokens/s, "
+                f"{self.bytes_per_token:,.0f} B/token crossing, bottleneck {self.bottleneck})")
+
+    def over_memory(self) -> dict[str, tuple[float, float]]:
+        """``{device: (needed, capacity)}`` for devices whose memory is exceeded."""
+        return {d: (m, self.capacity[d]) for d, m in self.memory.items()
+                if d in self.capacity and m > self.capacity[d]}
+
+
+def check_assignment(chain, assignment, devices) -> None:
+    """PlacementError unless ``assignment`` maps exactly ``chain``'s stages to known devices."""
+    if not isinstance(assignment, dict):
+        raise PlacementError(f"assignment={assignment!r:.80}: expected a dict stage -> device")
+    unknown = [s for s in assignment if s not in chain]
+    if unknown:
+        raise PlacementError(f"unknown stage {unknown[0]!r} in the assignment: expected stages of "
+                             f"{chain.names[:3]} ... {chain.names[-1]}")
+    missing = [s for s in chain.names if s not in assignment]
+    if missing:
+        raise PlacementError(f"stage {missing[0]!r} has no device ({len(missing)} stages "
+                             "missing): the assignment must map every stage")
+    bad = [(s, d) for s, d in assignment.items() if d not in devices]
+    if bad:
+        raise PlacementError(f"stage {bad[0][0]!r} is on unknown device {bad[0][1]!r}: expected "
+                             f"one of {list(devices)}")
+
+
+def check_load(batch, context_len) -> tuple[int, int]:
+    """Validated ``(batch, context_len)``; ``None`` context means ``DEFAULT_CONTEXT_LEN``."""
+    context_len = DEFAULT_CONTEXT_LEN if context_len is None else context_len
+    for name, value, low in (("batch", batch, 1), ("context_len", context_len, 0)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
+            raise PlacementError(f"{name}={value!r}: expected an integer >= {low}")
+    return int(batch), int(context_len)
+
+
+def stage_memory(chain, batch: int, context_len: int) -> list[int]:
+    """Bytes each stage needs on its device: parameters + KV cache."""
+    kv = chain.kv_bytes(batch, context_len)
+    return [s.param_bytes + kv[s.name] for s in chain]
+
+
+def predict(chain, assignment: dict, topology: Topology, batch: int = 1,
+            context_len: int | None = None) -> Prediction:
+    """Predicted latency, throughput, traffic and memory of ``assignment`` on ``topology``.
+
+    Examples
+    --------
+    >>> from tfnb.models import tiny
+    >>> chain = tiny("llama").chain
+    >>> topo = Topology(["a", "b"], flops=1e9, latency=1e-3, bandwidth=1e9)
+    >>> p = predict(chain, dict(embed="a", **{"block.0": "a", "block.1": "b", "head": "b"}), topo)
+    >>> round(p.latency_s * 1e3, 3)   # compute at context 1024 + a hop there + a token id back
+    2.684
+    >>> p.bottleneck
+    'link a -> b'
+    """
+    check_assignment(chain, assignment, topology.devices)
+    batch, context_len = check_load(batch, context_len)
+    idx = [topology.index(assignment[s.name]) for s in chain]
+    busy: dict[str, float] = {}
+    latency = crossing = 0.0
+    for k, stage in enumerate(chain):
+        t = topology.stage_s(stage, idx[k], batch, context_len)
+        latency += t
+        key = f"compute on {short_device(topology.devices[idx[k]])}"
+        busy[key] = busy.get(key, 0.0) + t
+        nxt, nbytes = (idx[k + 1], batch * stage.act_bytes_out_per_token) if k + 1 < len(idx) \
+            else (idx[0], batch * TOKEN_BYTES)
+        if nxt != idx[k]:
+            t = topology.link_s(idx[k], nxt, nbytes)
+            latency += t
+            crossing += nbytes
+            key = (f"link {short_device(topology.devices[idx[k]])} -> "
+                   f"{short_device(topology.devices[nxt])}")
+            busy[key] = busy.get(key, 0.0) + t
+    memory = {d: 0 for d in dict.fromkeys(assignment[s] for s in chain.names)}
+    for stage, need in zip(chain, stage_memory(chain, batch, context_len)):
+        memory[assignment[stage.name]] += need
+    capacity = {d: float(topology.memory[topology.index(d)]) for d in memory}
+    name, slowest = max(busy.items(), key=lambda kv: kv[1])
+    return Prediction(latency, batch / slowest if slowest > 0 else math.inf, crossing / batch,
+                      memory, capacity, name, slowest)
+
+
+def predict_replicated(chain, replicas, topology: Topology, batch: int = 1,
+                       context_len: int | None = None) -> Prediction:
+    """Figures of a full copy of ``chain`` on each of ``replicas``, the batch split across them.
+
+    Each copy gets ``ceil(batch / len(replicas))`` sequences (the last ones fewer); latency is
+    the slowest copy's step, throughput the sum of the copies' ``share / step``.
+    """
+    batch, context_len = check_load(batch, context_len)
+    shares = [batch // len(replicas) + (i < batch % len(replicas)) for i in range(len(replicas))]
+    shares = [s for s in shares if s] or [1]
+    latency, throughput, memory, capacity = 0.0, 0.0, {}, {}
+    slowest, name = 0.0, ""
+    for dev, share in zip(replicas, shares):
+        d = topology.index(dev)
+        step = sum(topology.stage_s(s, d, share, context_len) for s in chain)
+        throughput += share / step if step > 0 else math.inf
+        if step >= slowest:
+            slowest, name = step, f"compute on {short_device(dev)}"
+        latency = max(latency, step)
+        memory[dev] = sum(stage_memory(chain, share, context_len))
+        capacity[dev] = float(topology.memory[d])
+    for dev in replicas[len(shares):]:
+        memory[dev], capacity[dev] = 0, float(topology.memory[topology.index(dev)])
+    return Prediction(latency, throughput, 0.0, memory, capacity, name, slowest)

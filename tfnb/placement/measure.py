@@ -1,0 +1,205 @@
+"""``measure_topology(cluster)``: speeds, links and memory of a connected cluster, measured.
+
+- **compute**: on each device (``tf.device``), a ``tf.function`` chaining ``matmuls`` products of
+  ``n x n`` float32 matrices; FLOP/s = ``2 n^3 matmuls / (best time - best time of an empty
+  call)``, the empty call removing the client's round trip.
+- **links**: for every pair ``(a, b)``, a ``tf.function`` that sends a tensor from ``a`` to
+  ``b`` and back (a ping-pong) and returns one number to the client; the same function without
+  the hops is the baseline. One-way latency = half the extra time with a 1-element tensor;
+  bandwidth = bytes / (half the extra time with a ``tensor_bytes`` tensor - latency). Links are
+  taken as symmetric. Every figure is the best of ``repeats`` runs (the machines are noisy).
+- **kinds**: with ``smooth=True`` (default) the devices of one type on one host are taken as
+  identical: their FLOP/s averaged, memory the smallest, links averaged per pair of kinds.
+- **memory**: from ``cluster.status()``: an accelerator's free memory (or TF's limit); for CPU
+  devices the host's available RAM, divided among the workers that share that host.
+
+The whole measurement stops starting new work after ``budget_s`` seconds; pairs not measured by
+then get the slowest measured link (a warning says how many). Results are cached per cluster
+(sorted device names + worker incarnations + settings); ``refresh=True`` measures again.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+
+import numpy as np
+
+from tfnb.placement.cost import Topology
+
+__all__ = ["measure_topology", "clear_cache"]
+
+_CACHE: dict = {}
+
+
+def clear_cache() -> None:
+    """Forget every cached measurement."""
+    _CACHE.clear()
+
+
+def _best(fn, arg, repeats: int) -> float:
+    fn(arg).numpy()  # trace + warm up
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn(arg).numpy()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def _compute_flops(tf, device: str, n: int, matmuls: int, repeats: int) -> float:
+    with tf.device(device):
+        a = tf.random.uniform((n, n), 0.0, 1.0 / n)
+
+    @tf.function
+    def chain(x):
+        with tf.device(device):
+            y = x
+            for _ in range(matmuls):
+                y = tf.matmul(y, x)
+            return y[0, 0]
+
+    @tf.function
+    def empty(x):
+        with tf.device(device):
+            return x[0, 0] * 2.0
+
+    base, full = _best(empty, a, repeats), _best(chain, a, repeats)
+    work = 2.0 * n ** 3 * matmuls
+    return work / (full - base) if full > 1.5 * base else work / full
+
+
+def _pair(tf, a: str, b: str, tensors, repeats: int) -> tuple[float, float]:
+    """(one-way latency s, bandwidth B/s) between devices ``a`` and ``b``, by ping-pong."""
+
+    def make(hop: bool):
+        @tf.function
+        def f(x):
+            y = x
+            if hop:
+                with tf.device(b):
+                    y = y * 2.0
+            with tf.device(a):
+                y = y * 0.5
+                return y[0] + y[-1]
+        return f
+
+    there, here = make(True), make(False)
+    extra = []
+    for x in tensors:
+        extra.append(max(0.0, (_best(there, x, repeats) - _best(here, x, repeats)) / 2))
+    latency = max(extra[0], 1e-7)
+    nbytes = float(tensors[1].shape[0] * 4)
+    transfer = extra[1] - latency
+    return latency, nbytes / (transfer if transfer > 0.05 * extra[1] else max(extra[1], 1e-7))
+
+
+def _memory_and_hosts(cluster, devices: list[str]) -> tuple[list[float], list[str]]:
+    """Memory cap and host of each device, from one ``cluster.status()``."""
+    status = cluster.status()
+    cpus: dict[str, int] = {}
+    found = {}
+    for w in status.workers:
+        host = w.address.rsplit(":", 1)[0]
+        for d in w.devices:
+            cpus[host] = cpus.get(host, 0) + (d.device_type == "CPU")
+            found[d.name] = (host, d)
+    memory, where = [], []
+    for dev in devices:
+        host, d = found.get(dev, (dev, None))
+        value = None if d is None else (d.memory_free or d.memory_total)
+        if d is not None and d.device_type == "CPU" and value:
+            value = value / cpus[host]
+        memory.append(float(value) if value else math.inf)
+        where.append(host)
+    return memory, where
+
+
+def _smooth(devices, hosts, memory, flops, latency, bandwidth):
+    """Average the figures of each kind of device (one device type on one host).
+
+    Measurements are noisy: without this every device would differ a little from its twins,
+    and the exact planner, which groups interchangeable devices, would face them one by one.
+    """
+    kind = [(h, d.rsplit("device:", 1)[-1].split(":")[0]) for d, h in zip(devices, hosts)]
+    groups: dict = {}
+    for i, k in enumerate(kind):
+        groups.setdefault(k, []).append(i)
+    memory, flops = np.array(memory), np.array(flops)
+    lat, bw = latency.copy(), bandwidth.copy()
+    for members in groups.values():
+        memory[members] = memory[members].min()
+        flops[members] = flops[members].mean()
+    for a in groups.values():
+        for b in groups.values():
+            block = np.ix_(a, b)
+            off = ~np.eye(len(a), dtype=bool) if a is b else np.ones((len(a), len(b)), bool)
+            if off.any():
+                lat[block] = np.where(off, latency[block][off].mean(), lat[block])
+                bw[block] = np.where(off, bandwidth[block][off].mean(), bw[block])
+    return memory, flops, lat, bw
+
+
+def measure_topology(cluster, devices=None, *, repeats: int = 5, tensor_bytes: int = 4_000_000,
+                     matmul_n: int = 256, matmuls: int = 4, budget_s: float = 60.0,
+                     smooth: bool = True, refresh: bool = False) -> Topology:
+    """Measure a connected cluster's devices and links into a :class:`Topology` (cached).
+
+    Parameters
+    ----------
+    cluster : a connected :class:`tfnb.cluster.Cluster`
+    devices : the devices to measure (default: ``cluster.devices``)
+    repeats : timed runs per figure (the best is kept)
+    tensor_bytes : size of the tensor that measures bandwidth
+    matmul_n, matmuls : size and count of the matrix products that measure FLOP/s
+    budget_s : no new pair is started after this many seconds
+    smooth : average the figures of devices of one type on one host, making them
+        interchangeable (the exact planner then treats them as one kind)
+    refresh : measure again even if a cached result exists
+
+    Examples
+    --------
+    >>> topo = measure_topology(tfnb.current())                      # doctest: +SKIP
+    >>> topo.latency[0, 1] * 1e3, topo.bandwidth[0, 1] / 1e9          # doctest: +SKIP
+    (0.4, 1.1)
+    """
+    import tensorflow as tf
+
+    devices = list(cluster.devices if devices is None else devices)
+    incarnations = getattr(cluster, "_incarnations", None) or {}
+    key = (tuple(sorted(devices)), tuple(sorted(incarnations.items())), repeats, tensor_bytes,
+           matmul_n, matmuls, smooth)
+    if not refresh and key in _CACHE:
+        return _CACHE[key]
+    start = time.perf_counter()
+    flops = [_compute_flops(tf, d, matmul_n, matmuls, repeats) for d in devices]
+    n = len(devices)
+    latency, bandwidth = np.full((n, n), np.nan), np.full((n, n), np.nan)
+    np.fill_diagonal(latency, 0.0)
+    np.fill_diagonal(bandwidth, np.inf)
+    skipped = 0
+    for a in range(n):
+        for b in range(a + 1, n):
+            if time.perf_counter() - start > budget_s:
+                skipped += 1
+                continue
+            with tf.device(devices[a]):
+                tensors = [tf.ones((1,)), tf.ones((max(1, tensor_bytes // 4),))]
+            lat, bw = _pair(tf, devices[a], devices[b], tensors, repeats)
+            latency[a, b] = latency[b, a] = lat
+            bandwidth[a, b] = bandwidth[b, a] = bw
+    if skipped:
+        warnings.warn(f"measure_topology: {skipped} device pairs not measured within budget_s="
+                      f"{budget_s}; they get the slowest measured link", stacklevel=2)
+        off = ~np.eye(n, dtype=bool)
+        lat_fill = np.nanmax(latency[off]) if np.isfinite(latency[off]).any() else 1e-3
+        bw_fill = np.nanmin(bandwidth[off]) if np.isfinite(bandwidth[off]).any() else 1e8
+        latency[np.isnan(latency)], bandwidth[np.isnan(bandwidth)] = lat_fill, bw_fill
+    memory, where = _memory_and_hosts(cluster, devices)
+    if smooth:
+        memory, flops, latency, bandwidth = _smooth(devices, where, memory, flops, latency,
+                                                    bandwidth)
+    topo = Topology(devices, memory=memory, flops=flops, latency=latency, bandwidth=bandwidth)
+    _CACHE[key] = topo
+    return topo

@@ -1,0 +1,206 @@
+"""The exact planner: the best pipeline of contiguous stage runs over an order of devices.
+
+Claim
+-----
+Among all assignments in which every device holds at most one contiguous run of stages (a
+pipeline: the chain is cut into segments, each segment goes to a different device, in any
+order of devices), ``optimal_assignment`` returns one that minimises the objective of
+:func:`tfnb.placement.cost.predict` exactly (up to float rounding), under hard memory caps
+(parameters + KV cache at the given batch and context):
+
+- ``"latency"``: stage times + hop times + the token-id hop from the last device to the first;
+- ``"throughput"``: the slowest resource, i.e. the largest segment time or hop time.
+
+Assignments that revisit a device (A -> B -> A) are outside the claim; the tests compare
+against brute force over every assignment of up to 7 stages onto up to 4 devices, restricted
+to the claim's form.
+
+Algorithm
+---------
+Devices that can be swapped without changing any figure (same memory, speed, stage times and
+links; ``Topology.classes``) form K classes of sizes n_1..n_K. A state is
+``(u, f, l, j)``: ``u`` counts the devices used per class, ``f`` is the class of the first
+device (for the return hop), ``l`` the class of the last device, ``j`` the number of stages
+placed. Appending a segment ``[i, j)`` on a fresh device of class ``d``:
+
+    F[u + e_d, f, d, j] = min over l, i of  F[u, f, l, i] (+ or max) hop(l -> d, i)
+                                           (+ or max) (P_d[j] - P_d[i])
+
+with ``P_d`` the prefix sums of stage times on class ``d`` and ``i`` restricted to segments that
+fit class ``d``'s memory (a window ``[lo_d(j), j)``, at most ``W`` wide). Every state has a
+single predecessor ``u - e_d``, so the states are processed once, level by level.
+
+Complexity: ``S = prod(n_c + 1)`` count vectors, each expanded into K classes with
+``O(K^2 N + K W N)`` numpy work: ``O(S K^2 N (K + W))`` time and ``O(S K^2 N)`` memory for
+back-pointers. Identical devices cost little (16 devices of 4 kinds: S = 625); 16 all-different
+devices give S = 2^16, where the branch-and-bound below (partial cost + the cheapest possible
+rest of the chain against the best known plan) does most of the work.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from tfnb.errors import PlacementError
+from tfnb.placement.cost import TOKEN_BYTES, Topology, stage_memory
+
+__all__ = ["optimal_segments"]
+
+
+def _tables(chain, topo: Topology, classes, batch: int, context_len: int):
+    K, N = len(classes), len(chain)
+    rep = [c[0] for c in classes]
+    T = np.array([[topo.stage_s(s, r, batch, context_len) for s in chain] for r in rep])
+    P = np.zeros((K, N + 1))
+    P[:, 1:] = np.cumsum(T, axis=1)
+    M = np.concatenate([[0.0], np.cumsum(np.asarray(stage_memory(chain, batch, context_len),
+                                                    dtype=float))])
+    cap = topo.memory[rep]
+    lo = np.stack([np.searchsorted(M, M - cap[c], side="left") for c in range(K)])  # (K, N+1)
+    lat, bw = np.full((K, K), np.inf), np.ones((K, K))
+    for a in range(K):
+        for b in range(K):
+            if a != b:
+                lat[a, b], bw[a, b] = topo.latency[rep[a], rep[b]], topo.bandwidth[rep[a], rep[b]]
+            elif len(classes[a]) > 1:
+                x, y = classes[a][:2]
+                lat[a, b], bw[a, b] = topo.latency[x, y], topo.bandwidth[x, y]
+    act = np.full(N + 1, np.nan)
+    act[1:N] = [batch * s.act_bytes_out_per_token for s in list(chain)[:-1]]
+    hop = lat[:, :, None] + act[None, None, :] / bw[:, :, None]   # (K, K, N+1): hop before stage i
+    hop[:, :, 0] = hop[:, :, N] = np.inf
+    hop[np.isnan(hop)] = np.inf
+    ret = lat + batch * TOKEN_BYTES / bw                               # (K, K): last -> first
+    return T, P, lo, hop, ret
+
+
+def _bands(P, lo, d: int, N: int):
+    """Candidate segment starts ``i = j - 1 - k`` for every end ``j``, and their costs on ``d``."""
+    j = np.arange(N + 1)
+    start = np.maximum(lo[d], 1)
+    width = max(1, int((j - start).max(initial=0)))
+    i = j[None, :] - 1 - np.arange(width)[:, None]                     # (W, N+1)
+    valid = (i >= start[None, :]) & (i >= 1)
+    i = np.clip(i, 0, N)
+    seg = np.where(valid, P[d][None, :] - P[d][i], np.inf)
+    return i, valid, seg
+
+
+def optimal_segments(chain, topo: Topology, batch: int, context_len: int,
+                     objective: str = "latency", upper_bound: float = math.inf,
+                     max_bytes: float = 1e9):
+    """``[(device, start, stop), ...]`` of an optimal pipeline and its objective value.
+
+    Returns ``(None, inf)`` when no pipeline fits the memory caps. ``upper_bound`` (the value
+    of any plan of the claimed form) only prunes; states that cannot beat it are dropped.
+
+    Examples
+    --------
+    >>> from tfnb.models import tiny
+    >>> topo = Topology(["a", "b"], memory="1MB", flops=[1e9, 4e9])
+    >>> segs, value = optimal_segments(tiny("llama").chain, topo, 1, 16)
+    >>> segs
+    [('b', 0, 4)]
+    """
+    add = np.add if objective == "latency" else np.maximum
+    classes = topo.classes()
+    K, N = len(classes), len(chain)
+    sizes = np.array([len(c) for c in classes])
+    T, P, lo, hop, ret = _tables(chain, topo, classes, batch, context_len)
+    need = np.asarray(stage_memory(chain, batch, context_len), dtype=float)
+    left = need[::-1].cumsum()[::-1]                       # bytes of stages k.. N-1
+    left = np.append(left, 0.0)
+    cap = topo.memory[[c[0] for c in classes]]
+    limit = upper_bound * (1 + 1e-9) + 1e-15
+    bounds: dict = {}
+
+    def bound(v):
+        """Least the rest can add once the devices counted in ``v`` hold stages [0, j)."""
+        if v not in bounds:
+            spare = sizes - np.array(v)
+            room = float(np.where(spare > 0, spare * cap, 0.0).sum())
+            out = np.full(N + 1, np.inf)
+            if (spare > 0).any():
+                cheapest = T[spare > 0].min(axis=0)[::-1]
+                out[:N] = (np.cumsum(cheapest) if objective == "latency"
+                           else np.maximum.accumulate(cheapest))[::-1]
+            out[N] = 0.0
+            out[left > room * (1 + 1e-12)] = np.inf           # the rest no longer fits
+            bounds[v] = out
+        return bounds[v]
+
+    def prune(F, v, j0=0, j1=N + 1):
+        b = bound(v)[j0:j1]
+        F[~np.isfinite(b) | (add(F, b) > limit)] = np.inf
+        return F
+
+    bands = [_bands(P, lo, d, N) for d in range(K)]
+    width = max(b[0].shape[0] for b in bands)
+    pad = [((0, width - b[0].shape[0]), (0, 0)) for b in bands]
+    # (d, j, W): the candidate starts of a segment ending at j, last axis contiguous for min()
+    band_i = np.stack([np.pad(b[0], w).T for b, w in zip(bands, pad)])
+    band_t = np.stack([np.pad(np.where(b[1], b[2], np.inf), w, constant_values=np.inf).T
+                       for b, w in zip(bands, pad)])
+    unit = [tuple(int(x == c) for x in range(K)) for c in range(K)]
+    level = {}
+    for f in range(K):
+        F = np.full((K, K, N + 1), np.inf)
+        F[f, f, 1:] = np.where(lo[f, 1:] == 0, P[f, 1:], np.inf)
+        if np.isfinite(prune(F, unit[f])).any():
+            level[unit[f]] = F
+    table: dict = dict(level)   # every state's F, to trace the best plan back at the end
+    best, best_key = math.inf, None
+    for depth in range(1, int(sizes.sum()) + 1):
+        nxt: dict = {}
+        for u, F in level.items():
+            done = F[:, :, N] if depth == 1 else add(F[:, :, N], ret.T)
+            if done.min() < best:
+                f, l = np.unravel_index(np.argmin(done), done.shape)
+                best, best_key = float(done[f, l]), (u, int(f), int(l))
+                limit = min(limit, best * (1 + 1e-9) + 1e-15)
+            live = np.isfinite(F[:, :, :N])
+            firsts = np.flatnonzero(live.any(axis=(1, 2)))
+            ds = np.flatnonzero(np.array(u) < sizes)
+            if not len(firsts) or not len(ds):
+                continue
+            cols = np.flatnonzero(live.any(axis=(0, 1)))           # stages placed so far: i
+            i0, i1 = int(cols[0]), int(cols[-1]) + 1
+            j0, j1 = i0 + 1, min(N, i1 - 1 + width) + 1            # where the next run can end
+            g = np.full((len(firsts), len(ds), N + 1), np.inf)
+            g[:, :, i0:i1] = add(F[firsts][:, :, None, i0:i1],
+                                 hop[None, :, ds, i0:i1]).min(axis=1)   # (f, d, i)
+            rows = np.arange(len(ds))[:, None, None]
+            new = add(g[:, rows, band_i[ds, j0:j1]], band_t[ds, j0:j1]).min(axis=3)  # (f, d, j)
+            for x in np.flatnonzero(np.isfinite(new).any(axis=(0, 2))):
+                d = int(ds[x])
+                v = tuple(c + (j == d) for j, c in enumerate(u))
+                if not np.isfinite(prune(new[:, x], v, j0, j1)).any():
+                    continue
+                if v not in nxt:
+                    if len(table) * K * K * (N + 1) * 8 >= max_bytes:
+                        raise PlacementError(
+                            f"the exact planner needs more than {max_bytes / 1e9:g} GB "
+                            f"({len(table)} states) for {K} kinds among {int(sizes.sum())} "
+                            "devices: use mode='greedy', or describe devices of one kind "
+                            "identically (same speed, memory and links)")
+                    nxt[v] = table[v] = np.full((K, K, N + 1), np.inf)
+                nxt[v][firsts, d, j0:j1] = new[:, x]
+        level = nxt
+    if best_key is None:
+        return None, math.inf
+    u, f, l = best_key
+    j, segs = N, []
+    while sum(u) > 1:   # recompute which (previous class, start) gave F[u][f, l, j]
+        prev = tuple(x - (c == l) for c, x in enumerate(u))
+        g = add(table[prev][f, :, :], hop[:, l, :])                       # (l', i)
+        starts, costs = band_i[l, j], band_t[l, j]
+        total = add(g[:, starts], costs[None, :])                         # (l', W)
+        pl, w = np.unravel_index(np.argmin(total), total.shape)
+        i = int(starts[w])
+        segs.append((l, i, j))
+        u, l, j = prev, int(pl), i
+    segs.append((l, 0, j))
+    pool = [list(c) for c in classes]
+    return [(topo.devices[pool[c].pop(0)], i, j) for c, i, j in reversed(segs)], best

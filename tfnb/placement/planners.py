@@ -1,0 +1,236 @@
+"""``plan(model, cluster, mode=...)``: four ways to put a model's stages on devices.
+
+- ``"replicate"``: a full copy on every device, the batch split across copies (what
+  ``tf.distribute.MirroredStrategy`` does); only when a copy fits every device.
+- ``"memory"``: Hugging Face Accelerate's ``infer_auto_device_map`` fill, the baseline: devices
+  in order (accelerators first), each stage on the current device if it still fits
+  (``used + need <= cap``), otherwise on to the next device, never back. Stages are never split
+  (every stage is a "no split" module). Unlike Accelerate, nothing is offloaded, so no room is
+  reserved for bringing offloaded layers back, and a tied head is charged its own copy.
+- ``"greedy"``: the TensorFlow whitepaper's simulated placement: stages in order, each to the
+  device where it would *finish earliest* (arrival of its input over the link + its compute
+  there), among devices with room left; ties go to the earlier device. It ignores the return hop.
+- ``"optimal"``: exact over pipelines of contiguous runs, one per device (see
+  :mod:`tfnb.placement.optimal`), for ``objective="latency"`` or ``"throughput"``.
+
+All modes respect memory caps that include the KV cache for ``batch`` x ``context_len``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from tfnb.errors import PlacementError
+from tfnb.placement.cost import (Topology, check_load, predict, short_device, stage_memory)
+from tfnb.placement.optimal import optimal_segments
+from tfnb.placement.plan import MODES, OBJECTIVES, Plan
+
+__all__ = ["plan", "memory_assignment", "greedy_assignment", "optimal_assignment",
+           "replicate_devices", "as_topology"]
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:,.0f} MB"
+
+
+def _chain(model_or_chain):
+    chain = getattr(model_or_chain, "chain", model_or_chain)
+    if not (hasattr(chain, "names") and hasattr(chain, "kv_bytes")):
+        raise PlacementError(f"model={model_or_chain!r:.60}: expected a LayerChain or a model "
+                             "with .chain")
+    return chain
+
+
+def as_topology(cluster_or_topology) -> Topology:
+    """A ``Topology`` from a Topology, a connected ``Cluster`` (measured, cached) or devices.
+
+    A list of device strings gives a topology with unlimited memory, equal speeds and equal
+    links (placement then only balances the chain).
+
+    Examples
+    --------
+    >>> as_topology(["a", "b"]).devices
+    ('a', 'b')
+    """
+    if isinstance(cluster_or_topology, Topology):
+        return cluster_or_topology
+    if hasattr(cluster_or_topology, "devices") and hasattr(cluster_or_topology, "status"):
+        from tfnb.placement.measure import measure_topology
+
+        return measure_topology(cluster_or_topology)
+    if isinstance(cluster_or_topology, (list, tuple, str)):
+        return Topology(cluster_or_topology)
+    raise PlacementError(f"cluster={cluster_or_topology!r:.60}: expected a Cluster, a Topology "
+                         "or a list of device strings")
+
+
+def _check_fits(chain, topo: Topology, batch: int, context_len: int) -> None:
+    """PlacementError saying where and by how much the chain cannot fit, if it cannot."""
+    params = chain.total_param_bytes
+    kv = sum(chain.kv_bytes(batch, context_len).values())
+    total = float(topo.memory.sum())
+    if params + kv > total:
+        raise PlacementError(
+            f"the model needs {_mb(params)} + {_mb(kv)} KV (batch {batch}, context "
+            f"{context_len}), the largest device set (all {len(topo.devices)} devices) has "
+            f"{_mb(total)}: {_mb(params + kv - total)} short")
+    needs = stage_memory(chain, batch, context_len)
+    k = max(range(len(needs)), key=needs.__getitem__)
+    big = int(topo.memory.argmax())
+    if needs[k] > topo.memory[big]:
+        raise PlacementError(
+            f"stage {chain.names[k]!r} needs {_mb(needs[k])} with its KV cache, the largest "
+            f"device ({short_device(topo.devices[big])}) has {_mb(topo.memory[big])}: "
+            f"{_mb(needs[k] - topo.memory[big])} short (a stage is never split)")
+
+
+def replicate_devices(chain, topo: Topology, batch: int = 1, context_len: int = 0) -> list[str]:
+    """Every device, once a full copy (with its share of the KV cache) fits each of them."""
+    share = math.ceil(batch / len(topo.devices))
+    need = sum(stage_memory(chain, share, context_len))
+    kv = sum(chain.kv_bytes(share, context_len).values())
+    for dev, cap in zip(topo.devices, topo.memory):
+        if need > cap:
+            raise PlacementError(
+                f"replicate: a full copy needs {_mb(need - kv)} + {_mb(kv)} KV (batch share "
+                f"{share}), device {dev!r} has {_mb(cap)}: {_mb(need - cap)} short; "
+                "mode='optimal' splits the model instead")
+    return list(topo.devices)
+
+
+def memory_assignment(chain, topo: Topology, batch: int = 1, context_len: int = 0) -> dict:
+    """Accelerate-style sequential fill by bytes (see the module docstring).
+
+    Examples
+    --------
+    >>> from tfnb.models import tiny
+    >>> topo = Topology(["gpu", "cpu"], memory=["200kB", "1MB"])
+    >>> memory_assignment(tiny("llama").chain, topo)
+    {'embed': 'gpu', 'block.0': 'gpu', 'block.1': 'cpu', 'head': 'cpu'}
+    """
+    order = sorted(range(len(topo.devices)),
+                   key=lambda d: not any(t in topo.devices[d].upper() for t in ("GPU", "TPU")))
+    out, cur, used = {}, 0, 0
+    for stage, need in zip(chain, stage_memory(chain, batch, context_len)):
+        while used + need > topo.memory[order[cur]]:
+            cur, used = cur + 1, 0
+            if cur == len(order):
+                raise PlacementError(
+                    f"memory planner: stage {stage.name!r} ({_mb(need)}) does not fit on any "
+                    f"device left after filling in order; mode='optimal' may still find a split")
+        out[stage.name] = topo.devices[order[cur]]
+        used += need
+    return out
+
+
+def greedy_assignment(chain, topo: Topology, batch: int = 1, context_len: int = 0) -> dict:
+    """The whitepaper's earliest-finish rule (see the module docstring).
+
+    Examples
+    --------
+    >>> from tfnb.models import tiny
+    >>> topo = Topology(["slow", "fast"], flops=[1e9, 4e9], latency=1e-6)
+    >>> greedy_assignment(tiny("llama").chain, topo)   # embed costs 0 anywhere: first device wins
+    {'embed': 'slow', 'block.0': 'fast', 'block.1': 'fast', 'head': 'fast'}
+    """
+    free = topo.memory.astype(float).copy()
+    busy_until = [0.0] * len(topo.devices)
+    out, prev, ready = {}, None, 0.0
+    for k, (stage, need) in enumerate(zip(chain, stage_memory(chain, batch, context_len))):
+        best = None
+        for d in range(len(topo.devices)):
+            if need > free[d]:
+                continue
+            arrive = ready if prev is None else ready + topo.link_s(
+                prev, d, batch * chain[k - 1].act_bytes_out_per_token)
+            finish = max(arrive, busy_until[d]) + topo.stage_s(stage, d, batch, context_len)
+            if best is None or finish < best[0]:
+                best = (finish, d)
+        if best is None:
+            d = int(free.argmax())
+            raise PlacementError(
+                f"greedy planner: stage {stage.name!r} needs {_mb(need)} and the most room left "
+                f"is {_mb(free[d])} on {short_device(topo.devices[d])}; mode='optimal' may still "
+                "find a split")
+        ready, prev = best
+        busy_until[prev] = ready
+        free[prev] -= need
+        out[stage.name] = topo.devices[prev]
+    return out
+
+
+def optimal_assignment(chain, topo: Topology, batch: int = 1, context_len: int = 0,
+                       objective: str = "latency") -> dict:
+    """The best pipeline for ``objective`` (see :mod:`tfnb.placement.optimal`).
+
+    Examples
+    --------
+    >>> from tfnb.models import tiny
+    >>> topo = Topology(["a", "b"], memory="250kB", flops=[1e9, 4e9])
+    >>> optimal_assignment(tiny("llama").chain, topo, context_len=16)
+    {'embed': 'a', 'block.0': 'a', 'block.1': 'b', 'head': 'b'}
+    """
+    bound = math.inf
+    try:  # the Accelerate fill is a pipeline too: its value bounds the search
+        p = predict(chain, memory_assignment(chain, topo, batch, context_len), topo, batch,
+                    context_len)
+        bound = p.latency_s if objective == "latency" else p.bottleneck_s
+    except PlacementError:
+        pass
+    segs, _ = optimal_segments(chain, topo, batch, context_len, objective, bound)
+    if segs is None:
+        raise PlacementError(
+            f"no split of the {len(chain)} stages into contiguous runs, one per device, fits "
+            f"the memory caps ({_mb(sum(stage_memory(chain, batch, context_len)))} needed, "
+            f"{_mb(float(topo.memory.sum()))} in all; stages are never split)")
+    names = chain.names
+    return {names[k]: dev for dev, i, j in segs for k in range(i, j)}
+
+
+def plan(model_or_chain, cluster_or_topology, mode: str = "optimal", objective: str = "latency",
+         batch: int = 1, context_len: int | None = None, max_memory: dict | None = None) -> Plan:
+    """Choose devices for every stage of a model and predict what it costs.
+
+    Parameters
+    ----------
+    model_or_chain : a ``Model`` (its ``.chain`` is used) or a ``LayerChain``
+    cluster_or_topology : a connected ``Cluster`` (measured once, cached), a ``Topology`` or a
+        list of device strings
+    mode : ``"optimal"``, ``"greedy"``, ``"memory"`` or ``"replicate"``
+    objective : ``"latency"`` (seconds per token) or ``"throughput"`` (slowest pipeline stage)
+    batch, context_len : the load the memory caps (KV cache) and costs are computed for;
+        ``context_len=None`` means ``DEFAULT_CONTEXT_LEN``
+    max_memory : ``{device: bytes or "512MB"}`` replacing the measured caps
+
+    Examples
+    --------
+    >>> from tfnb.models import tiny
+    >>> topo = Topology(["a", "b"], memory="250kB", flops=[1e9, 4e9])
+    >>> p = plan(tiny("llama"), topo, context_len=16)
+    >>> p.segments()
+    [Segment(a: embed .. block.0 (2)), Segment(b: block.1 .. head (2))]
+    """
+    if mode not in MODES or mode == "manual":
+        raise PlacementError(f"mode={mode!r}: expected one of {list(MODES[:-1])}")
+    if objective not in OBJECTIVES:
+        raise PlacementError(f"objective={objective!r}: expected one of {list(OBJECTIVES)}")
+    chain = _chain(model_or_chain)
+    topo = as_topology(cluster_or_topology).with_max_memory(max_memory)
+    batch, context_len = check_load(batch, context_len)
+    start = time.perf_counter()
+    replicas = ()
+    if mode == "replicate":
+        replicas = tuple(replicate_devices(chain, topo, batch, context_len))
+        assignment = dict.fromkeys(chain.names, replicas[0])
+    else:
+        _check_fits(chain, topo, batch, context_len)
+        if mode == "memory":
+            assignment = memory_assignment(chain, topo, batch, context_len)
+        elif mode == "greedy":
+            assignment = greedy_assignment(chain, topo, batch, context_len)
+        else:
+            assignment = optimal_assignment(chain, topo, batch, context_len, objective)
+    took = time.perf_counter() - start
+    return Plan.from_assignment(chain, assignment, topo, batch, context_len, mode, objective,
+                                replicas, took)
