@@ -25,8 +25,9 @@ _LAZY = {
     "connect": "tfnb.cluster", "local": "tfnb.cluster", "current": "tfnb.cluster",
     "ExposedServerWarning": "tfnb.cluster", "LoopbackGuard": "tfnb.cluster",
     "load_model": "tfnb.models", "Model": "tfnb.models", "LayerChain": "tfnb.models",
-    "place": "tfnb.runtime", "PlacedModel": "tfnb.runtime",
+    "place": "tfnb.placement", "PlacedModel": "tfnb.runtime",
     "profile": "tfnb.profiler", "Profile": "tfnb.profiler",
+    "PlacementEditor": "tfnb.notebook.widgets",
     "plan": "tfnb.placement", "Plan": "tfnb.placement", "Topology": "tfnb.placement",
 }
 

@@ -94,9 +94,24 @@ def parse_tfprofile(line: str, cell: str | None) -> tuple[dict, str | None]:
     return {"timeout": args.timeout, "trace_dir": args.trace_dir}, args.output
 
 
+def parse_tfplace(line: str) -> tuple[str, dict, str | None]:
+    """Parse a ``%tfplace`` line into (model variable name, editor keywords, output name).
+
+    Raises UsageError naming the bad value. Pure: reads no namespace, touches no cluster.
+    """
+    args = _parse_line(TfnbMagics.tfplace, line, "%tfplace")
+    if not args.model.isidentifier():
+        raise UsageError(f"%tfplace: {args.model!r} is not a variable name; expected the name of a "
+                         "model, e.g. %tfplace model after model = tfnb.load_model('smollm2')")
+    kw = {"mode": args.mode, "objective": args.objective}
+    if args.planner is not None:
+        kw["planner"] = args.planner
+    return args.model, kw, args.output
+
+
 @magics_class
 class TfnbMagics(Magics):
-    """``%tfcluster``, ``%%tfprofile`` (and, as it lands, ``%tfplace``)."""
+    """``%tfcluster``, ``%%tfprofile`` and ``%tfplace``."""
 
     @magic_arguments()
     @argument("action", help="one of: " + ", ".join(_ACTIONS))
@@ -191,6 +206,46 @@ class TfnbMagics(Magics):
         if output:
             self.shell.user_ns[output] = result
         return result
+
+    @magic_arguments()
+    @argument("model", help="name of the variable holding the model (never evaluated)")
+    @argument("--mode", choices=("auto", "manual"), default="auto",
+              help="auto: a planner fills the rows (default); manual: start from them and edit")
+    @argument("--planner", choices=("optimal", "greedy", "memory"), default=None,
+              help="the planner of auto mode (default optimal)")
+    @argument("--objective", choices=("latency", "throughput"), default="latency",
+              help="what the planner minimises (default latency)")
+    @argument("-o", "--output", default=None, help="store the editor in this variable")
+    @line_magic
+    def tfplace(self, line: str = ""):
+        """Open the placement editor for a model on the connected cluster.
+
+        Shows a :class:`tfnb.notebook.widgets.PlacementEditor`: a planner's plan (or your own,
+        row by row), predicted latency, throughput and bytes per token, memory per device, a
+        dataflow picture, and Apply, which places the model (``editor.placed``).
+
+        Examples
+        --------
+        ::
+
+          %tfcluster local 2
+          model = tfnb.load_model("smollm2")
+          %tfplace model --objective throughput -o editor
+          editor.apply()
+        """
+        name, kw, output = parse_tfplace(line)
+        if name not in self.shell.user_ns:
+            raise UsageError(f"%tfplace: no variable {name!r} in this notebook; expected the name "
+                             "of a model, e.g. model = tfnb.load_model('smollm2')")
+        from tfnb.notebook.widgets import PlacementEditor
+
+        try:
+            editor = PlacementEditor(self.shell.user_ns[name], **kw)
+        except TfnbError as e:
+            raise UsageError(f"%tfplace: {e}") from None
+        if output:
+            self.shell.user_ns[output] = editor
+        return editor
 
     def _store(self, output: str | None, exc: BaseException) -> None:
         prof = getattr(exc, "tfnb_profile", None)

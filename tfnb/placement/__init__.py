@@ -9,6 +9,7 @@ Examples
 >>> sorted(set(p.assignment.values()))
 ['a', 'b']
 """
+from tfnb.placement.apply import place
 from tfnb.placement.cost import DEFAULT_CONTEXT_LEN, Prediction, Topology, parse_bytes, predict
 from tfnb.placement.measure import clear_cache, measure_topology
 from tfnb.placement.plan import MODES, OBJECTIVES, Plan, PlanDiff, Segment
@@ -17,5 +18,5 @@ from tfnb.placement.planners import (as_topology, greedy_assignment, memory_assi
 
 __all__ = ["DEFAULT_CONTEXT_LEN", "MODES", "OBJECTIVES", "Plan", "PlanDiff", "Prediction",
            "Segment", "Topology", "as_topology", "clear_cache", "greedy_assignment",
-           "measure_topology", "memory_assignment", "optimal_assignment", "parse_bytes", "plan",
+           "measure_topology", "memory_assignment", "optimal_assignment", "parse_bytes", "place", "plan",
            "predict", "replicate_devices"]

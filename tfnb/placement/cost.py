@@ -187,17 +187,23 @@ class Topology:
         return Topology(**kw)
 
     def with_max_memory(self, max_memory) -> "Topology":
-        """A copy whose memory caps are replaced by ``max_memory`` (dict device -> bytes).
+        """A copy whose memory caps are replaced by ``max_memory``: a dict device -> bytes, or
+        one cap (bytes or a string like ``"400MB"``) for every device.
 
         Examples
         --------
         >>> Topology(["a", "b"], memory="1GB").with_max_memory({"b": "200MB"}).memory.tolist()
         [1000000000.0, 200000000.0]
+        >>> Topology(["a", "b"], memory="1GB").with_max_memory("300MB").memory.tolist()
+        [300000000.0, 300000000.0]
         """
         if max_memory is None:
             return self
+        if isinstance(max_memory, (str, int, float)) and not isinstance(max_memory, bool):
+            max_memory = dict.fromkeys(self.devices, max_memory)
         if not isinstance(max_memory, dict):
-            raise PlacementError(f"max_memory={max_memory!r}: expected a dict device -> bytes")
+            raise PlacementError(f"max_memory={max_memory!r}: expected a dict device -> bytes, "
+                                 "or one cap such as '400MB' for every device")
         memory = self.memory.copy()
         for dev, cap in max_memory.items():
             memory[self.index(dev)] = parse_bytes(cap)

@@ -120,7 +120,7 @@ def optimal_segments(chain, topo: Topology, batch: int, context_len: int,
         """Least the rest can add once the devices counted in ``v`` hold stages [0, j)."""
         if v not in bounds:
             spare = sizes - np.array(v)
-            room = float(np.where(spare > 0, spare * cap, 0.0).sum())
+            room = float((spare[spare > 0] * cap[spare > 0]).sum())  # caps may be inf
             out = np.full(N + 1, np.inf)
             if (spare > 0).any():
                 cheapest = T[spare > 0].min(axis=0)[::-1]

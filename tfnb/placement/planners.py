@@ -201,7 +201,7 @@ def plan(model_or_chain, cluster_or_topology, mode: str = "optimal", objective: 
     objective : ``"latency"`` (seconds per token) or ``"throughput"`` (slowest pipeline stage)
     batch, context_len : the load the memory caps (KV cache) and costs are computed for;
         ``context_len=None`` means ``DEFAULT_CONTEXT_LEN``
-    max_memory : ``{device: bytes or "512MB"}`` replacing the measured caps
+    max_memory : ``{device: bytes or "512MB"}``, or one cap for every device, replacing the measured caps
 
     Examples
     --------

@@ -1,0 +1,17 @@
+"""Notebook widgets (ipywidgets): the placement editor.
+
+Importing this package imports ipywidgets; ``import tfnb`` does not (``tfnb.PlacementEditor``
+is resolved on first use).
+
+Examples
+--------
+>>> from tfnb.models import tiny
+>>> from tfnb.notebook.widgets import PlacementEditor
+>>> editor = PlacementEditor(tiny("llama"), ["a", "b"])
+>>> sorted(set(editor.plan.assignment.values())) <= ["a", "b"]
+True
+"""
+from tfnb.notebook.widgets.dataflow import plan_svg
+from tfnb.notebook.widgets.placement import PLANNERS, PlacementEditor
+
+__all__ = ["PLANNERS", "PlacementEditor", "plan_svg"]

@@ -1,0 +1,391 @@
+"""``PlacementEditor``: choose, inspect and apply which device runs each stage of a model.
+
+All state lives in traitlets (``mode``, ``planner``, ``objective``, ``assignment``, ``plan``,
+``apply_disabled_reason``, ``placed`` ...); the widgets only show it. Every change goes through a
+few core methods (:meth:`PlacementEditor.replan`, :meth:`~PlacementEditor.set_device`,
+:meth:`~PlacementEditor.apply`, :meth:`~PlacementEditor.load`), which is also how code and tests
+drive the editor without a browser.
+"""
+from __future__ import annotations
+
+import base64
+import contextlib
+import html
+import json
+import os
+import time
+
+import ipywidgets as W
+from traitlets import Any, Bool, Dict, Enum, Instance, Int, TraitError, Unicode, observe, validate
+
+from tfnb.errors import PlacementError, TfnbError
+from tfnb.notebook.widgets.dataflow import plan_svg
+from tfnb.notebook.widgets.views import editor_text, figures_html, one_line
+from tfnb.placement.cost import DEFAULT_CONTEXT_LEN, Topology, predict, short_device
+from tfnb.placement.plan import Plan
+from tfnb.placement.planners import as_topology
+from tfnb.placement.planners import plan as make_plan
+
+__all__ = ["PlacementEditor", "PLANNERS"]
+
+PLANNERS = ("optimal", "greedy", "memory")
+
+
+class PlacementEditor(W.VBox):
+    """A widget to place a model's stages on a cluster's devices, automatically or by hand.
+
+    Parameters
+    ----------
+    model : tfnb.models.Model
+        The model to place (its ``.chain`` gives the stages).
+    cluster : Cluster, Topology or list of str, optional
+        Default: the connected cluster (:func:`tfnb.cluster.current`). A connected cluster is
+        measured once (:func:`tfnb.placement.measure_topology`, cached per cluster); a Topology or
+        a list of device names can be edited and exported but Apply needs a real cluster.
+    max_memory : dict, optional
+        ``{device: bytes or "512MB"}`` replacing the measured memory caps.
+    mode, planner, objective, batch, context_len
+        Initial values of the traits of the same names.
+
+    Examples
+    --------
+    >>> from tfnb.models import tiny
+    >>> editor = PlacementEditor(tiny("llama"), ["a", "b"], planner="greedy")
+    >>> editor.plan.mode, len(editor.rows.boxes)
+    ('greedy', 4)
+    >>> plan = editor.set_device("head", "b")     # editing a row switches to manual
+    >>> editor.mode, editor.assignment["head"]
+    ('manual', 'b')
+    """
+
+    mode = Enum(("auto", "manual"), "auto", help="auto: a planner fills the rows; manual: edit "
+                "rows (editing a row in auto switches to manual)")
+    planner = Enum(PLANNERS, "optimal", help="planner used in auto mode (tfnb.plan's mode)")
+    objective = Enum(("latency", "throughput"), "latency",
+                     help="what the optimal planner minimises: seconds per token or the slowest "
+                          "pipeline stage")
+    batch = Int(1, help="sequences per step the memory (KV cache) and figures are computed for")
+    context_len = Int(DEFAULT_CONTEXT_LEN, help="tokens of context the KV cache is sized for")
+    assignment = Dict(help="stage -> full TF device name, every stage in chain order")
+    plan = Instance(Plan, allow_none=True, read_only=True,
+                    help="the current Plan (with its prediction), rebuilt on every change")
+    over_memory = Dict(read_only=True, help="{device: (bytes needed, cap)} of over-full devices")
+    apply_disabled_reason = Unicode("", read_only=True,
+                                    help="why Apply is disabled now ('' when it is enabled)")
+    busy = Bool(False, read_only=True, help="True while an Apply is running")
+    placed = Any(None, read_only=True, help="the placed model of the last successful Apply")
+    status = Unicode("", read_only=True, help="one line: the last action's progress or result")
+    error = Unicode("", read_only=True, help="one line: the last action's error ('' if none)")
+    model = Any(read_only=True, help="the model being placed")
+    cluster = Any(None, read_only=True, help="the cluster Apply places on (None: none given)")
+    topology = Instance(Topology, read_only=True, help="devices, memory caps, speeds and links")
+
+    def __init__(self, model, cluster=None, *, max_memory=None, mode="auto", planner="optimal",
+                 objective="latency", batch=1, context_len=None, **kwargs):
+        chain = getattr(model, "chain", None)
+        if not (hasattr(chain, "names") and hasattr(chain, "kv_bytes")):
+            raise PlacementError(f"model={model!r:.60}: expected a tfnb model (from "
+                                 "tfnb.load_model or tfnb.models.tiny) with a .chain")
+        if cluster is None:
+            from tfnb.cluster import current
+
+            cluster = current()
+        topology = as_topology(cluster).with_max_memory(max_memory)
+        super().__init__(**kwargs)
+        self._ready, self._auto_plan, self._applied_plan = False, None, None
+        self._apply_callbacks = W.CallbackDispatcher()
+        self.set_trait("model", model)
+        self.set_trait("topology", topology)
+        if hasattr(cluster, "devices") and hasattr(cluster, "status"):
+            self.set_trait("cluster", cluster)
+        self.batch, self.context_len = batch, DEFAULT_CONTEXT_LEN if context_len is None \
+            else context_len
+        self.objective, self.planner, self.mode = objective, planner, mode
+        self._build()
+        self.assignment = dict.fromkeys(chain.names, topology.devices[0])
+        self._ready = True
+        self._refresh(None)
+        if self.mode == "auto":
+            self.replan()
+
+    # --- invariants -----------------------------------------------------------------------
+    @validate("assignment")
+    def _valid_assignment(self, proposal):
+        a, chain = proposal["value"], self.model.chain
+        unknown = [s for s in a if s not in chain]
+        missing = [s for s in chain.names if s not in a]
+        if unknown or missing:
+            what = f"unknown stage {unknown[0]!r}" if unknown else f"no device for {missing[0]!r}"
+            raise TraitError(f"assignment: {what}: expected every stage of {chain.names[0]!r} .. "
+                             f"{chain.names[-1]!r} ({len(chain)} stages) and no other")
+        return {s: self._device(a[s]) for s in chain.names}
+
+    @validate("batch", "context_len")
+    def _valid_load(self, proposal):
+        low = 1 if proposal["trait"].name == "batch" else 0
+        if proposal["value"] < low:
+            raise TraitError(f"{proposal['trait'].name}={proposal['value']!r}: expected an "
+                             f"integer >= {low}")
+        return proposal["value"]
+
+    def _device(self, device) -> str:
+        """Full device name from a full name or a short label such as ``worker:1/CPU:0``."""
+        devices = self.topology.devices
+        if device in devices:
+            return device
+        full = [d for d in devices if short_device(d) == device]
+        if len(full) == 1:
+            return full[0]
+        raise PlacementError(f"device {device!r} is not in the topology: expected one of "
+                             f"{[short_device(d) for d in devices]}")
+
+    # --- reactions (each calls one core method) ---------------------------------------------
+    @observe("mode")
+    def _on_mode(self, change):
+        if self._ready and change["new"] == "auto":
+            self.replan()
+        elif self._ready and self.plan is not None and self.plan.mode != "manual":
+            self._refresh(())
+
+    @observe("planner")
+    def _on_planner(self, change):
+        if self._ready and self.mode == "auto":
+            self.replan()
+        elif self._ready:
+            self.mode = "auto"   # picking a planner means: let it plan
+
+    @observe("objective", "batch", "context_len")
+    def _on_load(self, change):
+        if self._ready and self.mode == "auto":
+            self.replan()
+        elif self._ready:
+            self._refresh(())
+
+    @observe("assignment")
+    def _on_assignment(self, change):
+        old, new = change["old"] or {}, change["new"]
+        if self._ready:
+            self._refresh([s for s in new if old.get(s) != new[s]] if old else None)
+            if self.mode == "auto" and self.plan.mode == "manual":
+                self.mode = "manual"
+
+    @observe("busy")
+    def _on_busy(self, change):
+        if self._ready:
+            self._update_apply()
+
+    # --- core -------------------------------------------------------------------------------
+    def replan(self):
+        """Run the chosen planner and fill the rows with its plan; returns the Plan (None on error).
+
+        Examples
+        --------
+        >>> editor.planner = "memory"     # in auto mode this calls replan()   # doctest: +SKIP
+        """
+        try:
+            p = make_plan(self.model.chain, self.topology, mode=self.planner,
+                          objective=self.objective, batch=self.batch, context_len=self.context_len)
+        except TfnbError as e:
+            self._report(error=f"{self.planner} planner: {one_line(e)}")
+            return None
+        self._auto_plan = p
+        self._report(status=f"{self.planner} planner: {len(p.segments())} segment(s) on "
+                            f"{len(p.devices)} device(s), {p.planner_s * 1e3:.3g} ms to plan")
+        if p.assignment == self.assignment:
+            self._refresh(())
+        else:
+            self.assignment = p.assignment
+        return p
+
+    def set_device(self, stage: str, device: str) -> Plan:
+        """Put ``stage`` on ``device`` (full name or short label); switches auto to manual.
+
+        Examples
+        --------
+        >>> editor.set_device("block.1", "worker:1/CPU:0")          # doctest: +SKIP
+        Plan(manual, latency: 2 devices, 2 segments, 0.81 ms/token)
+        """
+        if stage not in self.assignment:
+            raise PlacementError(f"stage {stage!r} is not in {self.model.name!r}: expected one of "
+                                 f"{list(self.assignment)[:3]} ... {list(self.assignment)[-1]}")
+        device = self._device(device)
+        if self.assignment[stage] != device:
+            self.assignment = {**self.assignment, stage: device}
+        return self.plan
+
+    def on_apply(self, callback, remove: bool = False) -> None:
+        """Call ``callback(editor)`` after each successful Apply (``remove=True`` unregisters).
+
+        Examples
+        --------
+        >>> editor.on_apply(lambda ed: print(ed.placed))           # doctest: +SKIP
+        >>> editor.apply()                   # or the Apply button  # doctest: +SKIP
+        <PlacedLayers net: 4 layers on 2 devices>
+        """
+        self._apply_callbacks.register_callback(callback, remove=remove)
+
+    def apply(self):
+        """Place the model with the current plan, like the Apply button; returns the placed model.
+
+        Uses ``tfnb.place(model, plan, cluster, previous=<last placed>)``. On failure (or while
+        Apply is disabled) returns None and :attr:`error` holds the reason in one line.
+
+        Examples
+        --------
+        >>> editor.on_apply(lambda ed: print(ed.status))           # doctest: +SKIP
+        >>> placed = editor.apply()                                # doctest: +SKIP
+        """
+        if self.apply_disabled_reason:
+            self._report(error=f"Apply is disabled: {self.apply_disabled_reason}")
+            return None
+        from tfnb.placement.apply import place
+
+        plan, previous = self.plan, self.placed
+        what = (f"moving {len(self._applied_plan.diff(plan))} stage(s)" if previous is not None
+                and self._applied_plan is not None else
+                f"placing {len(plan.assignment)} stages on {len(plan.devices)} device(s)")
+        self._report(status=f"applying: {what} ...")
+        self.set_trait("busy", True)
+        start = time.perf_counter()
+        try:
+            placed = place(self.model, plan, self.cluster, previous=previous)
+        except Exception as e:  # noqa: BLE001 - shown in the widget as one line, never a traceback
+            self._report(error=f"Apply failed: {one_line(e)}")
+            return None
+        finally:
+            self.set_trait("busy", False)
+        self.set_trait("placed", placed)
+        self._applied_plan = plan
+        self._report(status=f"applied in {time.perf_counter() - start:.1f} s: {what}")
+        self._refresh(())
+        self._apply_callbacks(self)
+        return placed
+
+    def export_json(self, path):
+        """Write the current plan as JSON (``Plan.save``); returns the path.
+
+        Examples
+        --------
+        >>> editor.export_json("plan.json")                         # doctest: +SKIP
+        PosixPath('plan.json')
+        """
+        path = self.plan.save(path)
+        self._report(status=f"saved the plan to {str(path)!r}")
+        return path
+
+    def load(self, source):
+        """Show a saved plan (a path, a dict from JSON, or a Plan) in manual mode.
+
+        A plan that does not fit (other stages, unknown devices, over memory, replicated) is
+        refused: None is returned and :attr:`error` says why in one line.
+
+        Examples
+        --------
+        >>> editor.load("plan.json")                                # doctest: +SKIP
+        Plan(manual, latency: 2 devices, 2 segments, 0.81 ms/token)
+        """
+        try:
+            if isinstance(source, Plan):
+                p = source
+            elif isinstance(source, dict):
+                p = Plan.from_dict(source, "uploaded plan")
+            elif isinstance(source, (str, os.PathLike)):
+                p = Plan.load(source)
+            else:
+                raise PlacementError(f"load({source!r:.60}): expected a path, a dict from a plan "
+                                     "JSON file, or a Plan")
+            if p.replicas:
+                raise PlacementError(f"the plan replicates the model on {len(p.replicas)} "
+                                     "devices: the editor edits pipelines (one device per stage)")
+            p.validate(self.model.chain, self.topology)
+        except (TfnbError, OSError) as e:
+            self._report(error=f"plan refused: {one_line(e)}")
+            return None
+        with self._quiet():
+            self.mode, self.objective = "manual", p.objective
+            self.batch, self.context_len = p.batch, p.context_len
+            self.assignment = p.assignment
+        self._refresh(None)
+        self._report(status=f"loaded a {p.mode} plan ({len(p.segments())} segment(s))")
+        return self.plan
+
+    # --- internals ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _quiet(self):
+        self._ready = False
+        try:
+            yield
+        finally:
+            self._ready = True
+
+    def _report(self, status: str = "", error: str = "") -> None:
+        self.set_trait("error", error)
+        self.set_trait("status", error or status)
+        cls = "tfnb-status-error" if error else "tfnb-status"
+        self._status_w.value = f'<span class="{cls}">{html.escape(error or status)}</span>'
+
+    def _current_plan(self) -> Plan:
+        auto = self._auto_plan
+        if self.mode == "auto" and auto is not None and auto.assignment == self.assignment and \
+                (auto.objective, auto.batch, auto.context_len) == \
+                (self.objective, self.batch, self.context_len):
+            return auto
+        pred = predict(self.model.chain, self.assignment, self.topology, self.batch,
+                       self.context_len)
+        return Plan(dict(self.assignment), "manual", self.objective, self.batch, self.context_len,
+                    prediction=pred)
+
+    def _refresh(self, changed) -> None:
+        """Rebuild the plan and update the views; ``changed`` stages (None: all) get new rows."""
+        plan = self._current_plan()
+        over = plan.prediction.over_memory()
+        self.set_trait("plan", plan)
+        self.set_trait("over_memory", over)
+        self.rows.show(self.assignment, over, changed)
+        self.bars.show(plan.prediction)
+        self._figures_w.value = figures_html(plan.prediction, self._applied_plan)
+        self._svg_w.value = plan_svg(plan, self.model.chain, self.topology.devices, over)
+        text = json.dumps(plan.to_dict(), indent=1)
+        self._json_w.value, self._python_w.value = text, plan.to_python()
+        self._download_w.value = (
+            '<a download="plan.json" href="data:application/json;base64,'
+            f'{base64.b64encode(text.encode()).decode()}">download plan.json</a>')
+        self._update_apply()
+
+    def _update_apply(self) -> None:
+        reason = ""
+        if self.busy:
+            reason = "an Apply is running"
+        elif self.over_memory:
+            dev, (need, cap) = next(iter(self.over_memory.items()))
+            reason = (f"{short_device(dev)} would hold {need / 1e6:,.2f} MB but has "
+                      f"{cap / 1e6:,.2f} MB ({(need - cap) / 1e6:,.2f} MB over): move stages "
+                      "off it")
+        self.set_trait("apply_disabled_reason", reason)
+        self._apply_w.disabled = bool(reason)
+        self._apply_w.tooltip = reason or "place the model with this plan"
+        self._reason_w.value = (f'<span class="tfnb-status-error">Apply disabled: '
+                                f"{html.escape(reason)}</span>" if reason else "")
+
+    def _build(self) -> None:
+        from tfnb.notebook.widgets.layout import build
+
+        build(self)
+
+    # --- views ------------------------------------------------------------------------------
+    def __str__(self) -> str:
+        return editor_text(self)
+
+    def __repr__(self) -> str:
+        p = self.plan
+        figures = f", {p.prediction.latency_s * 1e3:.3g} ms/token" if p is not None else ""
+        return (f"PlacementEditor({self.model.name}: {len(self.assignment)} stages, {self.mode}"
+                f"{figures}, apply {'disabled' if self.apply_disabled_reason else 'ready'})")
+
+    def _repr_pretty_(self, p, cycle) -> None:
+        p.text(str(self))
+
+    def _repr_mimebundle_(self, **kwargs):
+        data = super()._repr_mimebundle_(**kwargs)
+        data["text/plain"] = str(self)
+        return data

@@ -1,0 +1,93 @@
+"""``tfnb.place``: apply a plan (or a plain assignment) to a model on a cluster.
+
+The plan is checked against the model's chain and the cluster's devices before any weight
+moves; the placed model is registered with the cluster, so a worker restart names it among what
+must be placed again.
+"""
+from __future__ import annotations
+
+from tfnb.errors import PlacementError
+from tfnb.placement.plan import Plan
+
+
+def _assignment(model, plan, cluster) -> dict:
+    """Stage -> device from a Plan, a dict, or a list of devices (even contiguous split)."""
+    chain = model.chain
+    if isinstance(plan, Plan):
+        if plan.mode == "replicate":
+            raise PlacementError("plan mode 'replicate' keeps a full copy per device; place() "
+                                 "runs one pipeline: plan with mode='optimal' (or pick one replica)")
+        plan.validate(chain, cluster.devices if cluster is not None else list(set(plan.assignment.values())))
+        return dict(plan.assignment)
+    if isinstance(plan, (list, tuple, str)):
+        from tfnb.runtime.devices import even_split
+
+        devices = [plan] if isinstance(plan, str) else list(plan)
+        if not devices or len(devices) > len(chain):
+            raise PlacementError(f"{len(devices)} devices for {len(chain)} stages: expected 1 to "
+                                 f"{len(chain)} devices")
+        return even_split(chain.names, devices)
+    if isinstance(plan, dict):
+        return dict(plan)
+    raise PlacementError(f"plan={plan!r:.80}: expected a tfnb Plan, a dict stage -> device, or a "
+                         "list of devices")
+
+
+def place(model, plan=None, cluster=None, *, timeout: float | None = 60.0, previous=None):
+    """Put ``model``'s stages on the devices of ``plan`` and return the placed model.
+
+    Parameters
+    ----------
+    model : tfnb.models.Model
+        A llama-family model (generates text) or a Keras chain of layers (``placed(x)``).
+    plan : Plan, dict or list, optional
+        A :class:`Plan` (from :func:`tfnb.plan` or the placement editor), a dict stage -> device,
+        or a list of devices over which stages are split evenly. Default: the ``optimal`` plan for
+        ``cluster``.
+    cluster : Cluster, optional
+        Default: the connected cluster (:func:`tfnb.cluster.current`), if any.
+    timeout : float or None
+        Seconds a generate call may take before a clear error (llama models).
+    previous : PlacedModel, optional
+        A placement of the same model to update: only the stages whose device changed move.
+
+    Examples
+    --------
+    >>> placed = tfnb.place(model, tfnb.plan(model, cluster), cluster)    # doctest: +SKIP
+    >>> placed.chat("What is the capital of France?")                     # doctest: +SKIP
+    'The capital of France is Paris.'
+    """
+    from tfnb.cluster import current
+
+    cluster = cluster if cluster is not None else current(required=False)
+    if plan is None:
+        if cluster is None:
+            raise PlacementError("place() needs a plan or a connected cluster to plan for; "
+                                 "run %tfcluster local 2 or pass a list of devices")
+        from tfnb.placement.planners import plan as make_plan
+
+        plan = make_plan(model, cluster)
+    assignment = _assignment(model, plan, cluster)
+    if cluster is not None:
+        unknown = sorted(set(assignment.values()) - set(cluster.devices))
+        if unknown:
+            raise PlacementError(f"device {unknown[0]!r} is not in the cluster; it has {cluster.devices}")
+    if model.arch == "llama":
+        from tfnb.runtime import place as place_llama
+
+        if previous is not None and hasattr(previous, "replace"):
+            placed = previous.replace(assignment)
+        else:
+            placed = place_llama(model, assignment, timeout=timeout)
+    elif model.arch == "keras":
+        from tfnb.runtime.layers import place_layers
+
+        placed = place_layers(model, assignment)
+    else:
+        raise PlacementError(f"model {model.name!r} has arch {model.arch!r}: place() runs llama-family "
+                             "models and Keras chains; run this one in one process with model.hf_model")
+    placed.plan = plan if isinstance(plan, Plan) else None
+    if cluster is not None:
+        n = len(set(assignment.values()))
+        cluster.register(placed, f"{model.name} placed on {n} device{'s' * (n > 1)}", assignment.values())
+    return placed

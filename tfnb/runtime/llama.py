@@ -1,0 +1,223 @@
+"""Llama forward math as pure TensorFlow functions (no variables, no devices).
+
+Shape suffixes: ``B`` batch, ``T`` new tokens this call, ``S`` cache slots (static), ``D`` model
+width, ``H`` query heads, ``K`` key/value heads, ``G = H // K`` query heads per KV head, ``E`` head
+width, ``F`` MLP width, ``V`` vocabulary.
+
+Sequences are **left-padded** into cache slots: row ``b`` holds ``pad_B[b]`` padding slots, then its
+tokens. A token in slot ``s`` has rotary position ``s - pad_B[b]`` and may attend to slots
+``pad_B[b] <= s' <= s``. The cache update is one ``dynamic_update_slice`` at the current slot, so
+every function here compiles under XLA with static shapes.
+
+Block parameters (``BlockParams``) use fused matrices: ``wqkv`` = ``[wq | wk | wv]`` (D, (H+2K)E)
+and ``w_gate_up`` = ``[w_gate | w_up]`` (D, 2F), so one block step is four matmuls.
+
+Examples
+--------
+>>> x_BxTxD = tf.ones([1, 3, 8])
+>>> rms_norm(x_BxTxD, tf.ones([8]), 1e-5).shape
+TensorShape([1, 3, 8])
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.compiler.tf2xla.python import xla
+
+__all__ = [
+    "BlockParams", "fuse_block", "rms_norm", "rope_tables", "apply_rope", "positions",
+    "prefill_mask", "decode_mask", "attention", "block_prefill", "block_decode", "embed",
+    "embed_from_columns", "logits", "next_token", "dense",
+]
+
+_MASKED = -1e9  # finite, so a row with every slot masked (padding queries) stays NaN-free
+
+
+class BlockParams(NamedTuple):
+    """One block's weights (tensors or variables), fused as described in the module docstring."""
+    attn_norm: tf.Tensor  # (D,)
+    wqkv: tf.Tensor       # (D, (H + 2K) E)
+    wo: tf.Tensor         # (H E, D)
+    mlp_norm: tf.Tensor   # (D,)
+    w_gate_up: tf.Tensor  # (D, 2F)
+    w_down: tf.Tensor     # (F, D)
+
+
+def fuse_block(weights: dict, i: int) -> dict[str, np.ndarray]:
+    """Numpy arrays of block ``i`` in ``BlockParams`` layout, from canonical weights.
+
+    Examples
+    --------
+    >>> from tfnb.models.llama import tiny_config, random_weights
+    >>> fuse_block(random_weights(tiny_config()), 0)["wqkv"].shape
+    (64, 128)
+    """
+    p = f"blocks.{i}."
+    return {
+        "attn_norm": weights[p + "attn_norm"],
+        "wqkv": np.concatenate([weights[p + "wq"], weights[p + "wk"], weights[p + "wv"]], axis=1),
+        "wo": weights[p + "wo"],
+        "mlp_norm": weights[p + "mlp_norm"],
+        "w_gate_up": np.concatenate([weights[p + "w_gate"], weights[p + "w_up"]], axis=1),
+        "w_down": weights[p + "w_down"],
+    }
+
+
+def dense(x_BxTxD, w_DxC):
+    """``x @ w`` for a 3-D ``x``, as one 2-D matmul (a batched matmul would broadcast ``w``)."""
+    B, T, D = x_BxTxD.shape
+    y_NxC = tf.matmul(tf.reshape(x_BxTxD, [B * T, D]), w_DxC)
+    return tf.reshape(y_NxC, [B, T, w_DxC.shape[-1]])
+
+
+def rms_norm(x_BxTxD, gain_D, eps):
+    """``x / sqrt(mean(x^2) + eps) * gain``."""
+    ms_BxTx1 = tf.reduce_mean(tf.square(x_BxTxD), axis=-1, keepdims=True)
+    return gain_D * (x_BxTxD * tf.math.rsqrt(ms_BxTx1 + eps))
+
+
+def positions(pad_B, first_slot, T):
+    """Rotary position of the ``T`` slots from ``first_slot`` in each row: ``slot - pad``, >= 0."""
+    slots_T = first_slot + tf.range(T, dtype=tf.int32)
+    return tf.maximum(slots_T[None, :] - pad_B[:, None], 0)
+
+
+def rope_tables(pos_BxT, head_dim, theta):
+    """cos and sin tables (B, T, E) for HF's rotate-half rotary layout."""
+    inv_freq_E2 = 1.0 / (theta ** (tf.range(0, head_dim, 2, dtype=tf.float32) / head_dim))
+    angle_BxTxE2 = tf.cast(pos_BxT, tf.float32)[..., None] * inv_freq_E2
+    angle_BxTxE = tf.concat([angle_BxTxE2, angle_BxTxE2], axis=-1)
+    return tf.cos(angle_BxTxE), tf.sin(angle_BxTxE)
+
+
+def apply_rope(x_BxTxNxE, cos_BxTxE, sin_BxTxE):
+    """Rotate each head: ``x cos + rotate_half(x) sin``, ``rotate_half([a, b]) = [-b, a]``."""
+    a, b = tf.split(x_BxTxNxE, 2, axis=-1)
+    rotated_BxTxNxE = tf.concat([-b, a], axis=-1)
+    return x_BxTxNxE * cos_BxTxE[:, :, None] + rotated_BxTxNxE * sin_BxTxE[:, :, None]
+
+
+def prefill_mask(pad_B, T):
+    """(B, T, T) bool: query slot q may see key slot s when ``pad <= s <= q``."""
+    s_T = tf.range(T, dtype=tf.int32)
+    causal_TxT = s_T[None, :] <= s_T[:, None]
+    real_BxT = s_T[None, :] >= pad_B[:, None]
+    return causal_TxT[None] & real_BxT[:, None, :]
+
+
+def decode_mask(pad_B, slot, S):
+    """(B, 1, S) bool: the token in ``slot`` may see key slots ``pad <= s <= slot``."""
+    s_S = tf.range(S, dtype=tf.int32)
+    return ((s_S[None, :] >= pad_B[:, None]) & (s_S[None, :] <= slot))[:, None, :]
+
+
+def attention(q_BxTxHxE, k_BxKxSxE, v_BxKxSxE, mask_BxTxS):
+    """Grouped-query attention; query head ``h`` reads KV head ``h // G`` (as HF ``repeat_kv``)."""
+    B, T, H, E = q_BxTxHxE.shape
+    K = k_BxKxSxE.shape[1]
+    q_BxKxGxTxE = tf.transpose(tf.reshape(q_BxTxHxE, [B, T, K, H // K, E]), [0, 2, 3, 1, 4])
+    scores_BxKxGxTxS = tf.einsum("bkgte,bkse->bkgts", q_BxKxGxTxE, k_BxKxSxE) * (E ** -0.5)
+    scores_BxKxGxTxS = tf.where(mask_BxTxS[:, None, None], scores_BxKxGxTxS, _MASKED)
+    probs_BxKxGxTxS = tf.nn.softmax(scores_BxKxGxTxS, axis=-1)
+    out_BxKxGxTxE = tf.einsum("bkgts,bkse->bkgte", probs_BxKxGxTxS, v_BxKxSxE)
+    return tf.reshape(tf.transpose(out_BxKxGxTxE, [0, 3, 1, 2, 4]), [B, T, H * E])
+
+
+def _qkv(x_BxTxD, p: BlockParams, pos_BxT, cfg):
+    """Normed input projected to rotated q (B,T,H,E) and k, v as (B,K,T,E)."""
+    B, T, _ = x_BxTxD.shape
+    H, K, E = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    h_BxTxD = rms_norm(x_BxTxD, p.attn_norm, cfg.norm_eps)
+    qkv_BxTxC = dense(h_BxTxD, p.wqkv)
+    q, k, v = tf.split(qkv_BxTxC, [H * E, K * E, K * E], axis=-1)
+    cos_BxTxE, sin_BxTxE = rope_tables(pos_BxT, E, cfg.rope_theta)
+    q_BxTxHxE = apply_rope(tf.reshape(q, [B, T, H, E]), cos_BxTxE, sin_BxTxE)
+    k_BxTxKxE = apply_rope(tf.reshape(k, [B, T, K, E]), cos_BxTxE, sin_BxTxE)
+    k_BxKxTxE = tf.transpose(k_BxTxKxE, [0, 2, 1, 3])
+    v_BxKxTxE = tf.transpose(tf.reshape(v, [B, T, K, E]), [0, 2, 1, 3])
+    return q_BxTxHxE, k_BxKxTxE, v_BxKxTxE
+
+
+def _mlp_residual(x_BxTxD, attn_BxTxHE, p: BlockParams, cfg):
+    x_BxTxD = x_BxTxD + dense(attn_BxTxHE, p.wo)
+    h_BxTxD = rms_norm(x_BxTxD, p.mlp_norm, cfg.norm_eps)
+    gate_BxTxF, up_BxTxF = tf.split(dense(h_BxTxD, p.w_gate_up), 2, axis=-1)
+    return x_BxTxD + dense(tf.nn.silu(gate_BxTxF) * up_BxTxF, p.w_down)
+
+
+def block_prefill(x_BxTxD, p: BlockParams, cache_k_BxKxSxE, cache_v_BxKxSxE, pad_B, cfg):
+    """One block over a whole left-padded prompt in slots ``[0, T)``.
+
+    Returns ``(x_BxTxD, cache_k, cache_v)``: the block's output and the caches with slots
+    ``[0, T)`` written (attention itself only reads the ``T`` new keys).
+    """
+    T = x_BxTxD.shape[1]
+    q_BxTxHxE, k_BxKxTxE, v_BxKxTxE = _qkv(x_BxTxD, p, positions(pad_B, 0, T), cfg)
+    attn_BxTxHE = attention(q_BxTxHxE, k_BxKxTxE, v_BxKxTxE, prefill_mask(pad_B, T))
+    cache_k_BxKxSxE = xla.dynamic_update_slice(cache_k_BxKxSxE, k_BxKxTxE, [0, 0, 0, 0])
+    cache_v_BxKxSxE = xla.dynamic_update_slice(cache_v_BxKxSxE, v_BxKxTxE, [0, 0, 0, 0])
+    return _mlp_residual(x_BxTxD, attn_BxTxHE, p, cfg), cache_k_BxKxSxE, cache_v_BxKxSxE
+
+
+def block_decode(x_Bx1xD, p: BlockParams, cache_k_BxKxSxE, cache_v_BxKxSxE, pad_B, slot, cfg):
+    """One block for one new token per row, written into cache ``slot`` (an int32 scalar).
+
+    Returns ``(x_Bx1xD, cache_k, cache_v)`` with the caches updated at ``slot``.
+    """
+    S = cache_k_BxKxSxE.shape[2]
+    q_Bx1xHxE, k_BxKx1xE, v_BxKx1xE = _qkv(x_Bx1xD, p, positions(pad_B, slot, 1), cfg)
+    zero = tf.zeros([], tf.int32)
+    at_slot = tf.stack([zero, zero, slot, zero])
+    cache_k_BxKxSxE = xla.dynamic_update_slice(cache_k_BxKxSxE, k_BxKx1xE, at_slot)
+    cache_v_BxKxSxE = xla.dynamic_update_slice(cache_v_BxKxSxE, v_BxKx1xE, at_slot)
+    attn_Bx1xHE = attention(q_Bx1xHxE, cache_k_BxKxSxE, cache_v_BxKxSxE,
+                            decode_mask(pad_B, slot, S))
+    return _mlp_residual(x_Bx1xD, attn_Bx1xHE, p, cfg), cache_k_BxKxSxE, cache_v_BxKxSxE
+
+
+def embed(ids_BxT, table_VxD):
+    """Token embeddings (B, T, D)."""
+    return tf.gather(table_VxD, ids_BxT)
+
+
+def embed_from_columns(ids_BxT, table_DxV):
+    """Token embeddings (B, T, D) from a transposed table (the tied head's matrix)."""
+    return tf.transpose(tf.gather(table_DxV, ids_BxT, axis=1), [1, 2, 0])
+
+
+def logits(h_BxD, final_norm_D, out_DxV, cfg):
+    """Logits (B, V) (or (B, T, V)); ``out_DxV`` is ``lm_head``, or ``embed.T`` when tied."""
+    h_BxD = rms_norm(h_BxD, final_norm_D, cfg.norm_eps)
+    if len(h_BxD.shape) == 3:
+        return dense(h_BxD, out_DxV)
+    return tf.matmul(h_BxD, out_DxV)
+
+
+def next_token(logits_BxV, mode, temperature, top_k, top_p, seed_2):
+    """The next token (B,) int32: ``argmax`` when ``mode == "greedy"``, else a sample.
+
+    ``mode`` is static: ``"greedy"``, ``"sample"`` (temperature only) or ``"filter"``
+    (temperature, then top-k, then top-p over the renormalised top-k, as HF's warpers).
+    ``temperature``/``top_p`` are float32 scalars, ``top_k`` an int32 scalar (0: off),
+    ``seed_2`` the stateless-random seed pair of this step. Sampling uses the Gumbel-max trick.
+    """
+    if mode == "greedy":
+        return tf.argmax(logits_BxV, axis=-1, output_type=tf.int32)
+    x_BxV = logits_BxV / temperature
+    if mode == "filter":
+        V = x_BxV.shape[-1]
+        sorted_BxV = tf.sort(x_BxV, axis=-1, direction="DESCENDING")
+        rank_V = tf.range(V, dtype=tf.int32)
+        k = tf.where(top_k > 0, tf.minimum(top_k, V), V)
+        in_top_k_BxV = (rank_V < k)[None, :] & tf.ones_like(sorted_BxV, tf.bool)
+        probs_BxV = tf.nn.softmax(tf.where(in_top_k_BxV, sorted_BxV, -np.inf), axis=-1)
+        before_BxV = tf.cumsum(probs_BxV, axis=-1, exclusive=True)
+        keep_BxV = in_top_k_BxV & (before_BxV < top_p)
+        threshold_Bx1 = tf.reduce_min(tf.where(keep_BxV, sorted_BxV, np.inf), -1, keepdims=True)
+        x_BxV = tf.where(x_BxV >= threshold_Bx1, x_BxV, -np.inf)
+    u_BxV = tf.random.stateless_uniform(tf.shape(x_BxV), seed=seed_2, minval=1e-20, maxval=1.0)
+    gumbel_BxV = -tf.math.log(-tf.math.log(u_BxV))
+    return tf.argmax(x_BxV + gumbel_BxV, axis=-1, output_type=tf.int32)
