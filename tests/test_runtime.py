@@ -119,7 +119,7 @@ def test_logits_match_hf_within_1e4(hf, pm1, pm3):
 
 @needs_devices
 def test_batch_of_different_lengths_equals_each_alone(pm3):
-    texts = ["Hello", "Hi there, how are", "Once upon a time in a land far"]
+    texts = ["Hello", "Hi there, how", "Once upon a time in"]
     alone = [pm3.generate(t, max_new_tokens=10) for t in texts]
     assert pm3.generate(texts, max_new_tokens=10) == alone
     assert isinstance(alone[0], str) and all(alone)
