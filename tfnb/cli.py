@@ -40,6 +40,18 @@ def _local(a) -> int:
     return 0
 
 
+def _bench(a) -> int:
+    from tfnb.bench import CONFIGS, run_all
+
+    configs = a.configs or list(CONFIGS)
+    bad = [c for c in configs if c not in CONFIGS]
+    if bad:
+        print(f"tfnb bench: unknown configuration {bad[0]!r}; expected some of {', '.join(CONFIGS)}", file=sys.stderr)
+        return 2
+    run_all(configs, a.new_tokens, a.repeat, a.out)
+    return 0
+
+
 def _demo(a) -> int:
     import warnings
 
@@ -79,6 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     lo.set_defaults(func=_local)
     d = sub.add_parser("demo", help="start a local cluster and show what tfnb does")
     d.set_defaults(func=_demo)
+    b = sub.add_parser("bench", help="generate speed of tfnb vs Hugging Face and the tf.device recipe")
+    b.add_argument("--configs", nargs="+", default=None, help="subset of: hf-eager hf-xla tf-device tfnb-1 tfnb-2")
+    b.add_argument("--new-tokens", type=int, default=48, help="new tokens per generate (default 48)")
+    b.add_argument("--repeat", type=int, default=2, help="timed calls per configuration (best counts)")
+    b.add_argument("--out", default="benchmarks/results", help="folder for generate.md / generate.json")
+    b.set_defaults(func=_bench)
     a = p.parse_args(argv)
     return a.func(a)
 

@@ -255,3 +255,6 @@ class TfnbMagics(Magics):
 
 def load_ipython_extension(ipython) -> None:
     ipython.register_magics(TfnbMagics)
+    from tfnb.notebook.stream import enable
+
+    enable(ipython)  # live text for generate calls, in Jupyter kernels only

@@ -41,7 +41,8 @@ class PlacedLayers:
 
     @property
     def variables(self) -> list:
-        return [v for _, layer in self._layers for v in layer.weights]
+        """The placed ``tf.Variable``s (Keras 3 wraps each in a KerasVariable: unwrapped here)."""
+        return [v if isinstance(v, tf.Variable) else v.value for _, layer in self._layers for v in layer.weights]
 
     def __call__(self, x) -> np.ndarray:
         if self.lost:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tfnb import hooks
 from tfnb.errors import GenerateError
 from tfnb.runtime.requests import (_is_int, check_max_new_tokens, check_sampling, check_stop,
                                    make_batch, prompt_ids)
@@ -59,6 +60,8 @@ class GenerateSession:
                                 "none")
         if not isinstance(stream, bool):
             raise GenerateError(f"stream={stream!r}: expected True or False")
+        if on_chunk is None and text and not stream and hooks.display_hook is not None:
+            on_chunk = hooks.display_hook()  # a live display in notebooks
         if chunk_tokens is None:
             chunk_tokens = _DEFAULT_CHUNK if (stream or self.stops or on_chunk) else self.max_new
         if not _is_int(chunk_tokens) or chunk_tokens < 1:
