@@ -69,6 +69,47 @@ def test_known_split_bytes_busy_and_steps(split):
     assert {"MatMul", "_Send", "_Recv"} <= {r["op"] for r in prof.top_ops(20, by="op")}
 
 
+@pytest.fixture(scope="module")
+def tiny_llama():
+    from tfnb.models import tiny
+
+    return tiny("llama", seed=0)
+
+
+@pytest.mark.parametrize("layout, boundaries", [("split", 1), ("alternating", 2)])
+def test_llm_decode_loop_moves_one_activation_per_token_and_boundary(cluster, tiny_llama, layout, boundaries):
+    """The runtime's decode loop (a tf.while_loop calling one XLA function per segment): per
+    generated token, worker 0 -> worker 1 carries exactly the hidden state of each boundary, so
+    no weight crosses; the loop's edges are counted once per step (not its dead exit sends)."""
+    w0, w1 = cluster.devices[:2]
+    stages = {"split": {"embed": w0, "block.0": w0, "block.1": w1, "head": w1},
+              "alternating": {"embed": w0, "block.0": w1, "block.1": w0, "head": w1}}[layout]
+    placed = tfnb.place(tiny_llama, stages, cluster)
+    prompts = [[1, 60, 70, 80, 5], [1, 40, 41, 42, 43]]  # row 0 never stops early on this model
+    D, Bt = tiny_llama.config.hidden_size, len(prompts)
+    placed.generate_ids(prompts, max_new_tokens=4)  # compile outside the profiled blocks
+
+    def profiled(n):
+        with tfnb.profiler.profile(cluster, timeout=30) as prof:
+            out = placed.generate_ids(prompts, max_new_tokens=n)
+        assert not prof.partial, prof.reasons
+        steps = max(len(r) for r in out) - 1  # the first token comes from prefill
+        rows = {(r["source"], r["destination"]): r for r in prof.transfers()}
+        return prof, steps, rows
+
+    (_, steps_a, a), (prof, steps_b, b) = profiled(6), profiled(20)
+    assert steps_b - steps_a == 14
+    assert all(s != d and s.startswith("/job:") and d.startswith("/job:") for s, d in b)
+    for edge in ((w0, w1), (w1, w0)):
+        assert a[edge]["unknown"] == b[edge]["unknown"] == 0, b[edge]
+    per_token = (b[(w0, w1)]["bytes"] - a[(w0, w1)]["bytes"]) / (steps_b - steps_a)
+    assert per_token == pytest.approx(D * 4 * Bt * boundaries, rel=0.01)
+    back = (b[(w1, w0)]["bytes"] - a[(w1, w0)]["bytes"]) / (steps_b - steps_a)
+    assert 0 < back - D * 4 * Bt * (boundaries - 1) < D * 4 * Bt  # plus the next tokens only
+    loop = [r for r in prof.transfer_edges() if (r["source"], r["destination"]) == (w0, w1) and r["count"] == steps_b]
+    assert len(loop) == boundaries and all(r["bytes_each"] == D * 4 * Bt for r in loop), prof.transfer_edges()
+
+
 def test_views_and_exports(split, tmp_path):
     import matplotlib
 
@@ -195,8 +236,16 @@ def test_parsing_helpers():
     from tfnb.profiler.xplane import key_devices, parse_shapes, transfer_bytes
 
     assert parse_shapes("(float[8,64];int64[];half[?,3])") == [("float", [8, 64]), ("int64", []), ("half", [None, 3])]
+    assert parse_shapes("(int32[3];;)") == [("int32", [3]), (None, None), (None, None)]
+    assert transfer_bytes("(float[1,1,576];int32[2];;;bool[1])", 0) == 2304
     assert transfer_bytes("(float[8,64];float[64,64])", 0) == 2048
     assert transfer_bytes("(float[8,64];float[64,64])", None) is None
     assert transfer_bytes("(double[2,2];double[2,2])", None) == 32
     assert union_ns([(0, 10), (5, 20), (30, 40), (35, 36)], 0, 38) == 28
     assert key_devices("/a;1;/b;edge_1_x;0:0") == ("/a", "/b")
+    assert key_devices("/device:CPU:0;1;/device:CPU:0;x:0;0:0", "/job:w/replica:0/task:1") == \
+        ("/job:w/replica:0/task:1/device:CPU:0",) * 2
+    from tfnb.profiler.graphs import strip_inlined
+
+    assert strip_inlined("while/body/_1/while/StatefulPartitionedCall_1") == "while/StatefulPartitionedCall_1"
+    assert strip_inlined("MatMul") == "MatMul"

@@ -1,16 +1,38 @@
 """From the raw XSpaces of one capture to the event records a :class:`Profile` holds.
 
-Transfer sizes: ``_Send``/``_Recv`` events name the producing node (``from``) and the consuming
-node (``to``) but carry no size. The consumer's own event on the destination device, in the same
-step, lists the dtype and shape of each of its inputs; which input came over the wire is read
-from the consuming node's inputs in the client's function library (the FunctionDef the client
-registered for the ``tf.function``). Each transfer is counted once, by (rendezvous key, step), from
-its ``_Recv`` when the destination was traced, else from its ``_Send``.
+Transfers (probed on TF 2.21 with the LLM runtime's decode loop; see graphs.py for the names):
+
+* a ``_Send``/``_Recv`` names its producing node (``from``), its consuming node (``to``) and a
+  rendezvous ``key`` but no size. The key is fixed per node: inside a ``tf.while_loop`` one
+  node transfers once per iteration under the same key and step, so every event is one
+  transfer, not every (key, step);
+* on the loop's last iteration the body's ``_Send``/``_Recv`` still run, to pass *deadness*
+  on: such a transfer carries no tensor and its consumer does not run. So the live transfers
+  of a (key, step) are as many as the runs of the consumer (else of the producer); the rest
+  are dead and not counted;
+* the size is the consumer's input that comes from the producer, in the consumer's traced
+  ``shape`` stat; which input that is comes from the function library (:mod:`graphs`). A
+  *control* edge crossing devices is sent as a dummy ``float[0]`` received into an
+  ``Identity`` numbered one above the ``_Recv`` (``x/_19`` -> ``x/_20``); a loop's ``LoopCond``
+  reaches the other devices' control loops as a bool, sized from the producer's own input;
+* a key between two devices of one process (``/device:CPU:0`` both ends, as the constant
+  folding of an XLA compilation runs) is no transfer: those events count as compute.
+
+Each transfer is counted once, at its ``_Recv`` when the destination was traced, else at its
+``_Send``.
 """
 from __future__ import annotations
 
-from tfnb.profiler.xplane import (TRANSFER_TYPES, Event, input_index, key_devices, parse_space,
-                                  transfer_bytes)
+import re
+
+from tfnb.profiler.graphs import Library
+from tfnb.profiler.xplane import (TRANSFER_TYPES, Event, key_devices, parse_shapes, parse_space, start_time_ns,
+                                  tensor_bytes)
+
+_RECV = frozenset({"_Recv", "_HostRecv"})
+_PASS_THROUGH = frozenset({"LoopCond", "Identity", "Enter", "Exit", "NextIteration", "Snapshot"})
+_NOT_ONE_PER_VALUE = frozenset({"Merge", "Switch"})  # run on any live input / output one dead
+_NUMBERED = re.compile(r"^(.*)/_(\d+)$")
 
 
 def _device_namer(task: str):
@@ -23,73 +45,108 @@ def _device_namer(task: str):
     return device_of
 
 
-def _function_defs(names_wanted):
-    """FunctionDefs of the client's eager context: the wanted ones first, then all of them."""
-    try:
-        from tensorflow.python.eager import context
-
-        ctx = context.context()
-        names = sorted(ctx.list_function_names())
-    except Exception:  # noqa: BLE001 - no TF context: sizes stay unknown unless unambiguous
-        return [], []
-    wanted = [ctx.get_function_def(n) for n in names_wanted if n in names]
-    return wanted, (lambda: [ctx.get_function_def(n) for n in names])
+def _input_bytes(run: dict, index: int | None) -> int | None:
+    shapes = parse_shapes(run["stats"].get("shape") if run["stats"] else None)
+    if not shapes:
+        return None
+    sizes = [tensor_bytes(d, s) for d, s in shapes]
+    if index is not None:
+        return sizes[index] if index < len(sizes) else None
+    return sizes[0] if len(set(sizes)) == 1 else None
 
 
-def build(raw: dict) -> dict:
+class _Sizer:
+    """Live transfers and their sizes for each (key, step) group of transfer events."""
+
+    def __init__(self, records, functions, library):
+        self.functions, self.library = functions, library
+        self.runs: dict = {}  # (device, step, node) -> op events in time order
+        for r in records:
+            if r["op"] not in TRANSFER_TYPES:
+                self.runs.setdefault((r["device"], r["step"], r["name"]), []).append(r)
+        self.index_cache: dict = {}
+
+    def _index(self, step, src_node, dst_node):
+        key = (self.functions.get(step), src_node, dst_node)
+        if key not in self.index_cache:
+            self.index_cache[key] = self.library.input_index(key[0], src_node, dst_node)
+        return self.index_cache[key]
+
+    def sizes(self, stats: dict, step, recv_name: str | None) -> list[int | None] | None:
+        """Bytes of each live transfer in time order; None when liveness cannot be told."""
+        src_node, dst_node = stats.get("from"), stats.get("to")
+        m = _NUMBERED.match(recv_name or "")
+        if m:  # a control edge: the Recv feeds an Identity named one number up
+            ident = self.runs.get((stats["dst"], step, f"{m.group(1)}/_{int(m.group(2)) + 1}"), [])
+            ident = [r for r in ident if r["op"] == "Identity" and (r["stats"] or {}).get("shape") == "(float[0])"]
+            if ident:
+                return [_input_bytes(r, 0) for r in ident]
+        producers = [r for r in self.runs.get((stats["src"], step, src_node), [])
+                     if r["op"] not in _NOT_ONE_PER_VALUE]
+        consumers = [r for r in self.runs.get((stats["dst"], step, dst_node), [])
+                     if r["op"] not in ("Merge",)]
+        passed = [_input_bytes(r, 0) for r in producers if r["op"] in _PASS_THROUGH]
+        if consumers:
+            index = self._index(step, src_node, dst_node)
+            out = [_input_bytes(r, index) for r in consumers]
+            if index is None and len(passed) == len(out):
+                out = [a if a is not None else b for a, b in zip(out, passed)]
+            return out
+        if producers:
+            return passed if len(passed) == len(producers) else [None] * len(producers)
+        return None
+
+
+def clock_shift(start: int | None, t0: int, t1: int) -> int:
+    """What to add to a host's clock: its session started at ``start`` (its clock), between
+    ``t0`` and ``t1`` on this process's clock; 0 when that is within the uncertainty."""
+    if start is None:
+        return 0
+    offset = start - (t0 + t1) // 2
+    return 0 if abs(offset) <= (t1 - t0) // 2 else -offset
+
+
+def build(raw: dict, library: Library | None = None) -> dict:
     """Events (aligned, clipped to the capture window), functions per step and transfer sizes."""
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
     t_begin, t_end = raw["t_begin"], raw["t_end"]
-    records, functions = [], {}
-    for host, (task, data, shift) in raw["spaces"].items():
+    records, functions, shifts = [], {}, {}
+    for host, (task, data, (t0, t1)) in raw["spaces"].items():
         space = xplane_pb2.XSpace.FromString(data)
+        shifts[host] = shift = clock_shift(start_time_ns(space), t0, t1)
         evs, fns = parse_space(space, _device_namer(task), shift_ns=shift - t_begin)
         records.extend(evs)
         functions.update(fns)
     window = t_end - t_begin
     records = [r for r in records if r["start"] + r["dur"] > 0 and r["start"] < window]
 
-    # consumers by (device, step, node): their traced input shapes, in time order
-    consumers: dict = {}
+    groups: dict = {}
     for r in records:
-        if r["stats"] and "shape" in r["stats"]:
-            consumers.setdefault((r["device"], r["step"], r["name"]), []).append((r["start"], r["stats"]["shape"]))
-    seen: dict = {}
-    for r in sorted(records, key=lambda r: r["op"] not in ("_Recv", "_HostRecv")):
-        if r["op"] not in TRANSFER_TYPES or not r["stats"] or "key" not in r["stats"]:
+        st = r["stats"]
+        if r["op"] not in TRANSFER_TYPES or not st or "key" not in st:
             continue
-        ends = key_devices(str(r["stats"]["key"]))
-        if ends is None:
+        ends = key_devices(str(st["key"]), r["device"].partition("/device:")[0])
+        if ends is None or ends[0] == ends[1]:
+            r["local"] = True  # same device: no transfer
             continue
-        ident = (r["stats"]["key"], r["step"])
-        r["stats"].update(src=ends[0], dst=ends[1], counted=ident not in seen)
-        if ident in seen:
-            r["stats"]["bytes"] = seen[ident]
-            continue
-        shapes = consumers.get((ends[1], r["step"], r["stats"].get("to")), [])
-        after = [s for t, s in shapes if t >= r["start"]] or [s for _, s in shapes]
-        seen[ident] = r["stats"]["bytes"] = _size(after[0] if after else None, r["stats"], functions.get(r["step"]))
+        st.update(src=ends[0], dst=ends[1], counted=False)
+        g = groups.setdefault((st["key"], r["step"]), ([], []))
+        g[0 if r["op"] in _RECV else 1].append(r)
+    sizer = _Sizer(records, functions, library or Library())
+    for (key, step), (recvs, sends) in groups.items():
+        side = sorted(recvs or sends, key=lambda r: r["start"])
+        sizes = sizer.sizes(side[0]["stats"], step, side[0]["name"] if recvs else None)
+        if sizes is None:
+            sizes = [None] * len(side)
+        for i, r in enumerate(side):  # dead transfers come last (the loop's exit)
+            live = i < len(sizes)
+            r["stats"].update(counted=live, dead=not live, bytes=sizes[i] if live else 0)
+        for r in (sends if recvs else ()):
+            r["stats"]["counted"] = False
     events = [Event(r["device"], r["thread"], r["name"], r["op"], r["start"], r["dur"], r["step"],
-                    "send/receive" if r["op"] in TRANSFER_TYPES else "compute", r["stats"])
+                    "send/receive" if r["op"] in TRANSFER_TYPES and not r.get("local") else "compute",
+                    r["stats"])
               for r in sorted(records, key=lambda r: r["start"])]
-    offsets = {host: -shift for host, (_, _, shift) in raw["spaces"].items()}
+    offsets = {host: -shift for host, shift in shifts.items()}
     return {"events": events, "functions": functions, "window_ns": window, "offsets_ns": offsets}
-
-
-_FDEF_CACHE: dict = {}
-
-
-def _size(shape_text, stats, function_name):
-    if shape_text is None:
-        return None
-    key = (function_name, stats.get("from"), stats.get("to"))
-    if key not in _FDEF_CACHE:
-        wanted, everything = _function_defs([function_name] if function_name else [])
-        index = input_index(wanted, stats.get("from"), stats.get("to")) if wanted else None
-        if index is None and callable(everything):
-            index = input_index(everything(), stats.get("from"), stats.get("to"))
-        if not function_name:  # names with a tf.function's unique number are safe to cache
-            return transfer_bytes(shape_text, index)
-        _FDEF_CACHE[key] = index
-    return transfer_bytes(shape_text, _FDEF_CACHE[key])

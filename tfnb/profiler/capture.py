@@ -33,7 +33,8 @@ Each host stamps its trace with its own clock (``profile_start_time``). The clie
 clock just before sending ``StartContinuousProfiling`` (t0) and on the reply (t1): the worker's
 session started inside [t0, t1], so its clock offset is ``start - (t0 + t1) / 2`` within
 ``(t1 - t0) / 2``. Offsets inside that uncertainty (hosts sharing a clock, as in tests) are taken
-as 0; larger ones (skewed hosts) are subtracted from that worker's events.
+as 0; larger ones (skewed hosts) are subtracted from that worker's events (in build.py, when the
+profile is first read: nothing is parsed while the block ends).
 """
 from __future__ import annotations
 
@@ -128,9 +129,8 @@ class Capture:
         self.t_begin = time.time_ns()
 
     def stop(self) -> dict:
-        """End every session (bounded by the timeout); the raw material of a Profile."""
-        from tensorflow.tsl.profiler.protobuf import xplane_pb2
-
+        """End every session (bounded by the timeout); the raw material of a Profile:
+        ``spaces`` maps each host to (task, serialized XSpace, (t0, t1) around its start)."""
         from tfnb.profiler.rpc import messages
 
         self.t_end = time.time_ns()
@@ -141,7 +141,7 @@ class Capture:
         def collect(task):
             stub = self.started[task][0]
             try:
-                return stub.snapshot(empty(), timeout=self.timeout).xspace.SerializeToString()
+                return stub.snapshot(empty(), timeout=self.timeout).xspace
             finally:
                 try:
                     stub.stop_continuous(empty(), timeout=min(self.timeout, 5.0))
@@ -154,22 +154,11 @@ class Capture:
             if isinstance(res, BaseException):
                 self.reasons[task] = f"{dict(self.targets)[task]} {_reason(res)}"
             else:
-                spaces[task] = (self.client_task if task == "client" else task, res,
-                                self._shift(task, res, xplane_pb2))
+                spaces[task] = (self.client_task if task == "client" else task, res, self.started[task][1:])
         self.started = {}
         return {"spaces": spaces, "reasons": dict(self.reasons), "t_begin": self.t_begin,
                 "t_end": self.t_end, "workers": [t for t, _ in self.targets if t != "client"],
                 "client_device": self.client_device}
-
-    def _shift(self, task, raw: bytes, xplane_pb2) -> int:
-        from tfnb.profiler.xplane import start_time_ns
-
-        _, t0, t1 = self.started[task]
-        start = start_time_ns(xplane_pb2.XSpace.FromString(raw))
-        if start is None:
-            return 0
-        offset = start - (t0 + t1) // 2
-        return 0 if abs(offset) <= (t1 - t0) // 2 else -offset
 
     def abort(self) -> None:
         """Stop everything, keep nothing (interpreter exit)."""

@@ -180,6 +180,8 @@ class Profile:
 
         With ``function``, only its calls are counted and ``bytes_per_call`` /
         ``count_per_call`` are added. ``unknown`` counts transfers whose size was not traced.
+        Only tensors that crossed devices count: not a loop's last, *dead* sends (no data), nor
+        hand-offs within one device. :meth:`transfer_edges` breaks the rows down by graph edge.
 
         Examples
         --------
@@ -206,6 +208,36 @@ class Profile:
                 r.update(calls=len(steps), bytes_per_call=r["bytes"] / max(1, len(steps)),
                          count_per_call=r["count"] / max(1, len(steps)))
         return rows
+
+    def transfer_edges(self, function=None) -> list[dict]:
+        """One row per graph edge that crossed devices: the producing node (``tensor``), the
+        consuming node, how often it was sent and the bytes, most bytes first.
+
+        An edge inside a ``tf.while_loop`` is sent once per iteration, so a decode loop shows
+        its per-token traffic as the edges whose ``count`` is the number of steps. ``bytes_each``
+        is None when the sizes varied or were not traced. Eager copies to this process have no
+        node names (``tensor`` and ``consumer`` None).
+
+        Examples
+        --------
+        >>> [(r["tensor"], r["count"], r["bytes_each"]) for r in prof.transfer_edges()]  # doctest: +SKIP
+        [('StatefulPartitionedCall', 1, 110592), ('while/body/_1/while/StatefulPartitionedCall', 47, 2304), ...]
+        """
+        self._check()
+        steps = set(self.calls(function)) if function is not None else None
+        cells: dict = {}
+        for e in self.events:
+            st = e.stats
+            if e.category != "send/receive" or not st or not st.get("counted") or (steps is not None and e.step not in steps):
+                continue
+            cells.setdefault((st["src"], st["dst"], st.get("from"), st.get("to")), []).append(st.get("bytes"))
+        rows = []
+        for (src, dst, tensor, consumer), sizes in cells.items():
+            known = [b for b in sizes if b is not None]
+            rows.append({"source": src, "destination": dst, "tensor": tensor, "consumer": consumer,
+                         "count": len(sizes), "bytes": sum(known), "unknown": len(sizes) - len(known),
+                         "bytes_each": sizes[0] if len(set(sizes)) == 1 else None})
+        return sorted(rows, key=lambda r: (-r["bytes"], r["source"], r["destination"], str(r["tensor"])))
 
     def transfer_matrix(self, function=None) -> tuple[list[str], list[list[int]], list[list[int]]]:
         """``(devices, bytes[src][dst], count[src][dst])`` over every device seen."""

@@ -17,7 +17,7 @@ def _messages():
 
     pool = descriptor_pool.Default()
     fdp = descriptor_pb2.FileDescriptorProto(
-        name="tfnb/profiler_service.proto", package="tfnb_profiler", syntax="proto3",
+        name="tfnb/profiler_service_v2.proto", package="tfnb_profiler", syntax="proto3",
         dependency=[profiler_options_pb2.DESCRIPTOR.name, xplane_pb2.DESCRIPTOR.name])
 
     def msg(name, *fields):
@@ -31,8 +31,9 @@ def _messages():
         ("opts", 4, _F.TYPE_MESSAGE, ".tensorflow.ProfileOptions"),
         ("repository_root", 5, _F.TYPE_STRING, None), ("session_id", 6, _F.TYPE_STRING, None),
         ("host_name", 7, _F.TYPE_STRING, None), ("emit_xspace", 9, _F.TYPE_BOOL, None))
-    msg("ProfileResponse", ("empty_trace", 7, _F.TYPE_BOOL, None),
-        ("xspace", 8, _F.TYPE_MESSAGE, ".tensorflow.profiler.XSpace"))
+    # ``xspace`` is a tensorflow.profiler.XSpace; declared as bytes (the same wire format) so
+    # that collecting a trace costs no parse and re-serialization (several MB per worker).
+    msg("ProfileResponse", ("empty_trace", 7, _F.TYPE_BOOL, None), ("xspace", 8, _F.TYPE_BYTES, None))
     msg("TerminateRequest", ("session_id", 1, _F.TYPE_STRING, None))
     msg("Empty")
     try:

@@ -3,11 +3,13 @@
 What the traces hold (probed on TF 2.21, host tracer level 3 on CPU workers):
 
 * op events are named ``"node:OpType"`` (``MatMul:MatMul``, ``MatMul/_1:_Send``) and, at level 3,
-  carry a ``shape`` stat with the dtype and shape of every *input*: ``(float[8,64];float[64,64])``;
+  carry a ``shape`` stat with the dtype and shape of every *input*: ``(float[8,64];float[64,64])``
+  (a resource input is an empty entry); an XLA-compiled call is one ``StatefulPartitionedCall``
+  event with the shapes of its inputs, its HLO ops separate events without ``:``;
 * ``_Send`` / ``_Recv`` carry ``from`` (producing node), ``to`` (consuming node) and ``key``
-  (``src_device;incarnation;dst_device;edge_name;frame:iter``) but no size; the size of a
-  transfer is the size of the consumer's input that comes from ``from`` (see
-  :func:`transfer_bytes`);
+  (``src_device;incarnation;dst_device;edge_name;frame:iter``, the same for every iteration of
+  a loop) but no size; the size of a transfer is the size of the consumer's input that comes
+  from ``from`` (see build.py);
 * every op runs inside an ``ExecutorState::Process`` event whose ``id`` stat is the step id, and
   that id is the same on every worker for one call of a multi-device function;
 * the ``Task Environment`` plane reports ``profile_start_time`` (ns since the epoch, the host's
@@ -120,12 +122,19 @@ def parse_space(space, device_of, *, shift_ns: int) -> tuple[list[dict], dict[in
     return out, functions
 
 
-def parse_shapes(text: str | None) -> list[tuple[str, list[int | None]]] | None:
-    """``"(float[8,64];float[])"`` -> ``[("float", [8, 64]), ("float", [])]``."""
-    if not text or not text.startswith("("):
+def parse_shapes(text: str | None) -> list[tuple[str | None, list[int | None] | None]] | None:
+    """``"(float[8,64];float[])"`` -> ``[("float", [8, 64]), ("float", [])]``.
+
+    An empty entry (a resource handle, or an input not yet available to a ``Merge``) is
+    ``(None, None)``: ``"(int32[3];;)"`` -> ``[("int32", [3]), (None, None), (None, None)]``.
+    """
+    if not text or not text.startswith("(") or not text.endswith(")"):
         return None
     out = []
     for part in text[1:-1].split(";"):
+        if not part.strip():
+            out.append((None, None))
+            continue
         m = re.fullmatch(r"\s*(\w+)\[([^\]]*)\]\s*", part)
         if not m:
             return None
@@ -134,41 +143,38 @@ def parse_shapes(text: str | None) -> list[tuple[str, list[int | None]]] | None:
     return out
 
 
-def tensor_bytes(dtype: str, dims: list[int | None]) -> int | None:
-    size = _DTYPE_BYTES.get(dtype)
-    if size is None or any(d is None or d < 0 for d in dims):
+def tensor_bytes(dtype: str | None, dims: list[int | None] | None) -> int | None:
+    size = _DTYPE_BYTES.get(dtype) if dtype else None
+    if size is None or dims is None or any(d is None or d < 0 for d in dims):
         return None
     for d in dims:
         size *= d
     return size
 
 
-def input_index(function_defs, from_node: str, to_node: str) -> int | None:
-    """Which data input of ``to_node`` comes from ``from_node``, read from the FunctionDefs of the
-    client's function library; None unless exactly one answer is found."""
-    found = set()
-    for fdef in function_defs:
-        for node in fdef.node_def:
-            if node.name != to_node:
-                continue
-            data = [i for i in node.input if not i.startswith("^")]
-            found.update(k for k, i in enumerate(data) if i.split(":")[0] == from_node)
-    return found.pop() if len(found) == 1 else None
-
-
 def transfer_bytes(consumer_shapes: str | None, index: int | None) -> int | None:
     """Bytes of the transferred tensor: the consumer's input ``index`` (or its only input, or
-    any input when all inputs have the same size)."""
+    any input when all inputs have the same known size)."""
     shapes = parse_shapes(consumer_shapes)
     if not shapes:
         return None
     sizes = [tensor_bytes(d, s) for d, s in shapes]
-    if index is not None and index < len(sizes):
-        return sizes[index]
+    if index is not None:
+        return sizes[index] if index < len(sizes) else None
     return sizes[0] if len(set(sizes)) == 1 else None
 
 
-def key_devices(key: str) -> tuple[str, str] | None:
-    """``(source device, destination device)`` of a rendezvous key."""
+def key_devices(key: str, task: str | None = None) -> tuple[str, str] | None:
+    """``(source device, destination device)`` of a rendezvous key.
+
+    A process-local run (constant folding while a function compiles, an eager copy) names
+    its devices without a task (``/device:CPU:0``): with ``task`` they are qualified with the
+    task the event was traced on.
+    """
     parts = key.split(";")
-    return (parts[0], parts[2]) if len(parts) >= 5 else None
+    if len(parts) < 5:
+        return None
+    src, dst = parts[0], parts[2]
+    if task:
+        src, dst = (f"{task}{d}" if d.startswith("/device:") else d for d in (src, dst))
+    return src, dst
