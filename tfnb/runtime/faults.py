@@ -70,14 +70,17 @@ def call_with_deadline(fn: Callable, args: tuple, *, timeout: float | None,
     thread.start()
     thread.join(timeout)
     if thread.is_alive():
+        silent = _unhealthy_workers(devices)
+        where = f"; not answering now: {', '.join(silent)}" if silent else ""
         raise WorkerLostError(
-            f"{what} got no answer within {timeout} s from devices {list(devices)}: a worker may "
-            "be stopped, hung or unreachable. Check the workers, reconnect the cluster and place "
-            "the model again (this placed model is no longer usable).")
+            f"{what} got no answer within {timeout} s from devices {list(devices)}{where}: a "
+            "worker may be stopped, hung or unreachable. Check the workers, reconnect the cluster "
+            "and place the model again (this placed model is no longer usable).")
     if "error" in result:
         error = result["error"]
-        if isinstance(error, LOST_WORKER_ERRORS) or _resource_gone(error):
-            named = devices_named_in(str(error), devices) or list(devices)
+        down = _unhealthy_workers(devices) if isinstance(error, tf.errors.OpError) else []
+        if isinstance(error, LOST_WORKER_ERRORS) or _resource_gone(error) or down:
+            named = down or devices_named_in(str(error), devices) or list(devices)
             first_line = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
             raise WorkerLostError(
                 f"{what} failed on device(s) {named}: {type(error).__name__}: {first_line}. "
@@ -85,6 +88,29 @@ def call_with_deadline(fn: Callable, args: tuple, *, timeout: float | None,
                 "again.") from error
         raise error
     return result["value"]
+
+
+def _unhealthy_workers(devices: Sequence[str], timeout: float = 1.0) -> list[str]:
+    """Workers holding ``devices`` that do not answer a probe now, e.g. ``['127.0.0.1:3 (down)']``.
+
+    A worker killed in the middle of a multi-device call surfaces as whatever error the
+    surviving side saw (``InternalError: ... poisoned``, ``CancelledError``, ...); asking the
+    workers is more reliable than reading the message.
+    """
+    from tfnb.cluster import current
+    from tfnb.cluster.probe import probe_all
+
+    cluster = current(required=False)
+    if cluster is None:
+        return []
+    used = {d.split("/device:")[0] for d in devices}
+    addresses = [a for (_, _, a), task in zip(cluster.spec.tasks(), cluster.workers) if task in used]
+    return [f"{task_of(r.address, cluster)} at {r.address} ({r.state})"
+            for r in probe_all(addresses, timeout) if r.state != "up"]
+
+
+def task_of(address: str, cluster) -> str:
+    return dict(zip(cluster.spec.addresses, cluster.workers))[address]
 
 
 def _resource_gone(error: BaseException) -> bool:

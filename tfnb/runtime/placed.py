@@ -284,7 +284,9 @@ class PlacedModel:
             if first and timeout is not None and self.compile_timeout is not None:
                 timeout = max(timeout, self.compile_timeout)
             try:
-                out = call_with_deadline(fn, args, timeout=timeout, devices=self.devices,
+                # The results are fetched inside the deadline too: a remote call returns its
+                # handles at once, and it is reading them that waits for a stopped worker.
+                out = call_with_deadline(_fetched(fn), args, timeout=timeout, devices=self.devices,
                                          what=what + (" (compiling)" if first else ""))
                 self._warm[id(fn)] = fn
                 return out
@@ -389,7 +391,6 @@ class PlacedModel:
         if key not in program.outer:
             program.outer[key] = _logits_function(self.segments, program.seg_fns)
         out = self._call(program.outer[key], (batch.ids_BxP, batch.pad_B), what="logits")
-        out = out.numpy()
         per_row = [out[b, batch.pad_B[b]:] for b in range(batch.n_real)]
         return per_row[0] if single else per_row
 
@@ -412,6 +413,13 @@ def _embed(ids_BxT, params):
     if "embed_VxD" in params:
         return L.embed(ids_BxT, params["embed_VxD"])
     return L.embed_from_columns(ids_BxT, params["embed_DxV"])
+
+
+def _fetched(fn):
+    """``fn`` whose tensor results are copied to the client as numpy arrays."""
+    def call(*args):
+        return tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, fn(*args))
+    return call
 
 
 def _segment_functions(seg: Segment, params: dict, caches, cfg, eos_ids, pad_id):

@@ -100,8 +100,8 @@ class GenerateSession:
                 x, slot = state
             tokens_NxB, count, slot, tok_B, done_t = pm._call(
                 fn, (x, b.pad_B, slot, done_B, np.int32(n)) + sampling)
-            tokens_NxB = tokens_NxB.numpy()[:int(count)]
-            state, done_B = (tok_B.numpy(), np.int32(slot)), done_t.numpy()
+            tokens_NxB = tokens_NxB[:int(count)]  # numpy already: fetched within the deadline
+            state, done_B = (tok_B, np.int32(slot)), done_t
             new_ids = self._collect(tokens_NxB)
             for row in range(len(self.rows)):
                 done_B[row] |= self.finished[row]
