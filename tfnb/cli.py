@@ -53,23 +53,9 @@ def _bench(a) -> int:
 
 
 def _demo(a) -> int:
-    import warnings
+    from tfnb.demo import run_demo
 
-    import tfnb
-    from tfnb.cluster.security import ExposedServerWarning
-
-    print("starting a local cluster of 2 TF workers...", flush=True)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", ExposedServerWarning)
-        cluster = tfnb.local(2)
-    for w in caught:
-        print(f"warning: {w.message}")
-    try:
-        print(cluster)
-        print(cluster.status())
-    finally:
-        cluster.stop()
-    print("stopped the workers.")
+    run_demo(a.out, a.notebook)
     return 0
 
 
@@ -89,7 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     lo.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for them to start")
     lo.add_argument("--isolate", action="store_true", help="drop non-loopback traffic to them (root, nftables)")
     lo.set_defaults(func=_local)
-    d = sub.add_parser("demo", help="start a local cluster and show what tfnb does")
+    d = sub.add_parser("demo", help="local cluster, SmolLM2 placed over it, an answer, a profile")
+    d.add_argument("--out", default="demo-output", help="folder for the profile figure and notebook")
+    d.add_argument("--notebook", default="notebooks/01-quickstart.ipynb",
+                   help="tutorial to execute into --out ('' to skip)")
     d.set_defaults(func=_demo)
     b = sub.add_parser("bench", help="generate speed of tfnb vs Hugging Face and the tf.device recipe")
     b.add_argument("--configs", nargs="+", default=None, help="subset of: hf-eager hf-xla tf-device tfnb-1 tfnb-2")
