@@ -85,7 +85,6 @@ def test_optimal_matches_brute_force(objective):
 
 
 def test_interchangeable_devices_are_grouped():
-    chain = tiny("llama").chain
     lat = np.array([[0, 1e-4, 1e-3], [1e-4, 0, 1e-3], [1e-3, 1e-3, 0]])
     topo = Topology(["a", "b", "c"], memory="1MB", latency=lat)
     assert topo.classes() == [[0, 1], [2]]

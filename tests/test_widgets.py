@@ -12,7 +12,6 @@ import pytest
 from IPython.core.error import UsageError
 from traitlets import TraitError
 
-import tfnb
 from tfnb.errors import PlacementError
 from tfnb.models import Model, tiny
 from tfnb.models.llama import LlamaConfig

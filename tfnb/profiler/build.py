@@ -26,8 +26,8 @@ from __future__ import annotations
 import re
 
 from tfnb.profiler.graphs import Library
-from tfnb.profiler.xplane import (TRANSFER_TYPES, Event, key_devices, parse_shapes, parse_space, start_time_ns,
-                                  tensor_bytes)
+from tfnb.profiler.xplane import (TRANSFER_TYPES, Event, key_devices, parse_space, start_time_ns,
+                                  transfer_bytes)
 
 _RECV = frozenset({"_Recv", "_HostRecv"})
 _PASS_THROUGH = frozenset({"LoopCond", "Identity", "Enter", "Exit", "NextIteration", "Snapshot"})
@@ -46,13 +46,7 @@ def _device_namer(task: str):
 
 
 def _input_bytes(run: dict, index: int | None) -> int | None:
-    shapes = parse_shapes(run["stats"].get("shape") if run["stats"] else None)
-    if not shapes:
-        return None
-    sizes = [tensor_bytes(d, s) for d, s in shapes]
-    if index is not None:
-        return sizes[index] if index < len(sizes) else None
-    return sizes[0] if len(set(sizes)) == 1 else None
+    return transfer_bytes(run["stats"].get("shape") if run["stats"] else None, index)
 
 
 class _Sizer:

@@ -175,6 +175,17 @@ class Profile:
         pat = re.compile(rf"^__inference_{re.escape(name)}_\d+$")
         return [k for k, f in self.functions.items() if f == name or (f and pat.match(f))]
 
+    def _steps_of(self, function) -> set | None:
+        self._check()
+        return set(self.calls(function)) if function is not None else None
+
+    def _counted_transfers(self, steps: set | None):
+        """Stats of each counted transfer event, within ``steps`` when given."""
+        for e in self.events:
+            st = e.stats
+            if e.category == "send/receive" and st and st.get("counted") and (steps is None or e.step in steps):
+                yield st
+
     def transfers(self, function=None) -> list[dict]:
         """Bytes and transfer count per source -> destination device.
 
@@ -189,13 +200,9 @@ class Profile:
         [{'source': '.../task:0/device:CPU:0', 'destination': '.../task:1/device:CPU:0',
           'bytes': 6144, 'count': 3, 'unknown': 0, 'calls': 3, 'bytes_per_call': 2048.0, ...}]
         """
-        self._check()
-        steps = set(self.calls(function)) if function is not None else None
+        steps = self._steps_of(function)
         cells: dict = {}
-        for e in self.events:
-            st = e.stats
-            if e.category != "send/receive" or not st or not st.get("counted") or (steps is not None and e.step not in steps):
-                continue
+        for st in self._counted_transfers(steps):
             c = cells.setdefault((st["src"], st["dst"]), {"bytes": 0, "count": 0, "unknown": 0})
             c["count"] += 1
             if st.get("bytes") is None:
@@ -223,13 +230,8 @@ class Profile:
         >>> [(r["tensor"], r["count"], r["bytes_each"]) for r in prof.transfer_edges()]  # doctest: +SKIP
         [('StatefulPartitionedCall', 1, 110592), ('while/body/_1/while/StatefulPartitionedCall', 47, 2304), ...]
         """
-        self._check()
-        steps = set(self.calls(function)) if function is not None else None
         cells: dict = {}
-        for e in self.events:
-            st = e.stats
-            if e.category != "send/receive" or not st or not st.get("counted") or (steps is not None and e.step not in steps):
-                continue
+        for st in self._counted_transfers(self._steps_of(function)):
             cells.setdefault((st["src"], st["dst"], st.get("from"), st.get("to")), []).append(st.get("bytes"))
         rows = []
         for (src, dst, tensor, consumer), sizes in cells.items():
