@@ -10,6 +10,7 @@ which placed state was lost with them.
 """
 from __future__ import annotations
 
+import html
 import ipaddress
 import socket
 import threading
@@ -206,7 +207,7 @@ class Cluster:
         return f"<tfnb {kind}Cluster {state}: {len(self.workers)} workers {self.spec.addresses}>"
 
     def _repr_html_(self) -> str:
-        return f"<b>{self!r}</b>".replace("<tfnb", "&lt;tfnb").replace("]>", "]&gt;") + self._last._repr_html_()
+        return f"<b>{html.escape(repr(self))}</b>" + self._last._repr_html_()
 
 
 def _tell_tensorflow(spec: ClusterSpec, client_address: str) -> None:
