@@ -189,13 +189,15 @@ def test_close_stops_every_worker():
 def test_worker_command_serves_reports_and_stops_on_sigterm():
     port, prof = _free_port(), _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "tfnb.cli", "worker", "--cluster", f"127.0.0.1:{port}",
-                             "--task", "0", "--profiler-port", str(prof)], stdout=subprocess.PIPE, text=True)
+                             "--task", "0", "--profiler-port", str(prof), "--cpus", "0"],
+                            stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
         assert line.startswith("TFNB_READY ")
         info = json.loads(line.split(" ", 1)[1])
         assert info["address"] == f"127.0.0.1:{port}" and info["devices"] == ["/device:CPU:0"]
         assert info["listening"].startswith("all interfaces")
+        assert info["cpus"] == "0"  # pinned before TF started
         assert security.listening_scope(prof) != "unknown"  # the profiler server listens
         assert tfnb.cluster.probe.probe(f"127.0.0.1:{port}", 5).state == "up"
         proc.send_signal(signal.SIGTERM)
@@ -216,6 +218,9 @@ def test_local_cluster_rejects_bad_sizes():
     for bad in (0, -1, 65, 2.5, "2", True):
         with pytest.raises(tfnb.TfnbError, match=repr(bad).replace("(", r"\(")):
             LocalCluster(bad)
+    for bad in ("99999", "1-", ["0"], "x"):
+        with pytest.raises(tfnb.TfnbError, match="cpus="):
+            LocalCluster(2, cpus=bad)
 
 
 def test_local_command_runs_workers_until_interrupted():

@@ -9,7 +9,7 @@ import sys
 def _worker(a) -> int:
     from tfnb.cluster.worker import serve
 
-    return serve(a.cluster, a.job, a.task, profiler_port=a.profiler_port)
+    return serve(a.cluster, a.job, a.task, profiler_port=a.profiler_port, cpus=a.cpus)
 
 
 def _local(a) -> int:
@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--task", type=int, default=0, help="task index of this server in its job")
     w.add_argument("--profiler-port", type=int, default=None,
                    help="also start a TF profiler server on this port")
+    w.add_argument("--cpus", default=None,
+                   help="pin the worker to these CPUs, e.g. '0-3' (default: all it may use)")
     w.set_defaults(func=_worker)
     lo = sub.add_parser("local", help="run N TF workers on 127.0.0.1 until Ctrl-C")
     lo.add_argument("-n", type=int, default=2, help="number of workers (default 2)")

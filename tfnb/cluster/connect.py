@@ -281,15 +281,16 @@ def connect(spec: object = None, *, timeout: float = 5.0, tf_config: bool = Fals
 
 
 def local(n_workers: int = 2, *, timeout: float = 5.0, start_timeout: float = 60.0,
-          isolate: bool = False) -> Cluster:
-    """Start ``n_workers`` TF workers on this machine and connect to them.
+          isolate: bool = False, cpus=None) -> Cluster:
+    """Start ``n_workers`` TF workers on this machine and connect to them (``cpus``: see
+    :class:`~tfnb.cluster.local.LocalCluster`).
 
     Examples
     --------
     >>> cluster = tfnb.local(2)                    # doctest: +SKIP
     >>> cluster.stop()                             # doctest: +SKIP
     """
-    lc = LocalCluster(n_workers, timeout=start_timeout, isolate=isolate)
+    lc = LocalCluster(n_workers, timeout=start_timeout, isolate=isolate, cpus=cpus)
     try:
         return connect(lc, timeout=timeout)
     except BaseException:

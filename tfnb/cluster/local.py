@@ -40,6 +40,23 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     return ports
 
 
+def _worker_cpus(cpus, n: int) -> list[str | None]:
+    """One CPU list (or None) per worker, each checked now rather than in a worker's log."""
+    from tfnb.cluster.worker import parse_cpus
+
+    per = [cpus] * n if cpus is None or isinstance(cpus, str) else list(cpus)
+    if len(per) != n:
+        raise SpecError(f"cpus={cpus!r} has {len(per)} entries for {n} workers: expected one list "
+                        "such as '0-3' for all, or one entry per worker")
+    for c in per:
+        if c is not None:
+            try:
+                parse_cpus(c)
+            except ValueError as e:
+                raise SpecError(str(e)) from None
+    return [None if c is None else str(c) for c in per]
+
+
 class LocalCluster:
     """Start ``n_workers`` TF worker servers on this machine and wait until each answers.
 
@@ -55,6 +72,10 @@ class LocalCluster:
         client's server) are unreachable from other hosts. Linux, root and nftables.
     host : str
         Address the workers are advertised at; loopback by default.
+    cpus : str or list, optional
+        CPUs to pin workers to (``tfnb worker --cpus``): one list such as ``"0-3"`` for every
+        worker, or one entry (a list or None) per worker, e.g. ``[None, "1"]`` makes worker 1 a
+        one-core machine.
 
     Examples
     --------
@@ -64,12 +85,13 @@ class LocalCluster:
     """
 
     def __init__(self, n_workers: int = 2, *, timeout: float = 60.0, isolate: bool = False,
-                 host: str = "127.0.0.1", job: str = "worker"):
+                 host: str = "127.0.0.1", job: str = "worker", cpus=None):
         if isinstance(n_workers, bool) or not isinstance(n_workers, int) or not 1 <= n_workers <= 64:
             raise SpecError(f"n_workers={n_workers!r}; expected an integer from 1 to 64")
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
             raise SpecError(f"timeout={timeout!r}; expected a number of seconds > 0")
         self.timeout = float(timeout)
+        self.cpus = _worker_cpus(cpus, n_workers)
         self.log_dir = Path(tempfile.mkdtemp(prefix="tfnb-local-"))
         self.procs: list[subprocess.Popen] = []
         self.info: list[dict] = []
@@ -91,6 +113,8 @@ class LocalCluster:
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"))
         cmd = [sys.executable, "-m", "tfnb.cluster.worker", "--cluster", self.spec.to_json(),
                "--job", job, "--task", str(task), "--watch-stdin"]
+        if self.cpus[task] is not None:
+            cmd += ["--cpus", self.cpus[task]]
         with open(self.log_dir / f"worker-{task}.log", "ab") as log:
             return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                                     env=env, start_new_session=True)

@@ -36,6 +36,7 @@ class WorkerStatus:
     host_ram_total: int | None = None
     host_ram_free: int | None = None
     error: str = ""
+    cpus: int | None = None  # CPUs the worker may run on (tfnb workers report it)
 
 
 @dataclass(frozen=True)
@@ -169,5 +170,6 @@ def gather(spec: ClusterSpec, timeout: float, *, connected: bool, servers: dict 
                                             None if used is None else max(0, d.memory_limit - used)))
         workers.append(WorkerStatus(task, address, pr.state,
                                     None if pr.latency_s is None else pr.latency_s * 1e3, tuple(devices),
-                                    mem.get("host_ram_total"), mem.get("host_ram_available"), pr.error))
+                                    mem.get("host_ram_total"), mem.get("host_ram_available"), pr.error,
+                                    mem.get("cpus")))
     return ClusterStatus(tuple(workers), dict(servers or {}), time.perf_counter() - start)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -39,7 +40,8 @@ def _memory_snapshot(tf) -> dict:
         except (ValueError, RuntimeError):
             pass
     return {"pid": os.getpid(), "host_ram_total": vm.total, "host_ram_available": vm.available,
-            "rss": psutil.Process().memory_info().rss, "gpus": gpus, "time": time.time()}
+            "rss": psutil.Process().memory_info().rss, "gpus": gpus, "time": time.time(),
+            "cpus": len(os.sched_getaffinity(0))}
 
 
 def _publish_status(tf, path: str, stop: threading.Event) -> None:
@@ -58,6 +60,40 @@ def _publish_status(tf, path: str, stop: threading.Event) -> None:
         pass
 
 
+def parse_cpus(text: str) -> set[int]:
+    """CPU numbers from a list like taskset's: ``"0"``, ``"0,2"``, ``"1-3"``; ValueError naming
+    the text if it is malformed or names a CPU this process may not run on.
+
+    Examples
+    --------
+    >>> sorted(parse_cpus("0"))
+    [0]
+    """
+    cpus: set[int] = set()
+    for part in str(text).split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:-(\d+))?\s*", part)
+        if not m:
+            cpus = set()
+            break
+        cpus.update(range(int(m.group(1)), int(m.group(2) or m.group(1)) + 1))
+    allowed = os.sched_getaffinity(0)
+    if not cpus or not cpus <= allowed:
+        raise ValueError(f"cpus={text!r}: expected CPU numbers such as '0', '0,2' or '0-3', among "
+                         f"the CPUs available here ({_ranges(allowed)})")
+    return cpus
+
+
+def _ranges(cpus) -> str:
+    out, run = [], []
+    for c in sorted(cpus):
+        if run and c != run[-1] + 1:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+            run = []
+        run.append(c)
+    out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(out)
+
+
 def _watch_stdin(stop: threading.Event) -> None:
     try:
         while sys.stdin.buffer.read(1):
@@ -68,9 +104,20 @@ def _watch_stdin(stop: threading.Event) -> None:
 
 
 def serve(cluster: str, job: str, task: int, *, profiler_port: int | None = None,
-          watch_stdin: bool = False) -> int:
-    """Run one TF server until a signal (or, with ``watch_stdin``, until stdin closes)."""
+          watch_stdin: bool = False, cpus: str | None = None) -> int:
+    """Run one TF server until a signal (or, with ``watch_stdin``, until stdin closes).
+
+    ``cpus`` (e.g. ``"1"`` or ``"0-3"``) pins the worker to those CPUs before TensorFlow starts,
+    so TF sizes its thread pools to them: several workers then share one machine without
+    competing for cores, or one worker stands in for a slower machine.
+    """
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if cpus is not None:
+        try:
+            os.sched_setaffinity(0, parse_cpus(cpus))
+        except ValueError as e:
+            print(f"tfnb worker: {e}", file=sys.stderr)
+            return 2
     from tfnb.cluster.security import listening_scope
     from tfnb.cluster.spec import parse_spec, split_address
     from tfnb.errors import SpecError
@@ -106,7 +153,8 @@ def serve(cluster: str, job: str, task: int, *, profiler_port: int | None = None
     devices = [d.name for d in tf.config.list_logical_devices()]
     info = {"address": address, "job": job, "task": task, "pid": os.getpid(),
             "target": server.target, "devices": devices,
-            "listening": listening_scope(port), "profiler_port": profiler_port or port}
+            "listening": listening_scope(port), "profiler_port": profiler_port or port,
+            "cpus": _ranges(os.sched_getaffinity(0))}
     print(f"{READY} {json.dumps(info)}", flush=True)
     threading.Thread(target=_publish_status, args=(tf, status_path(job, task, port), stop), daemon=True).start()
     if watch_stdin:
@@ -129,8 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--task", type=int, default=0)
     p.add_argument("--profiler-port", type=int, default=None)
     p.add_argument("--watch-stdin", action="store_true")
+    p.add_argument("--cpus", default=None)
     a = p.parse_args(argv)
-    return serve(a.cluster, a.job, a.task, profiler_port=a.profiler_port, watch_stdin=a.watch_stdin)
+    return serve(a.cluster, a.job, a.task, profiler_port=a.profiler_port, watch_stdin=a.watch_stdin,
+                 cpus=a.cpus)
 
 
 if __name__ == "__main__":
