@@ -230,3 +230,41 @@ def test_measure_topology_on_real_cluster(cluster):
     assert len(topo.classes()) == 1   # two CPU workers on one host: one kind, smoothed
     p = plan(tiny("llama"), cluster, context_len=16)   # a Cluster goes through the cache
     assert set(p.assignment.values()) <= set(cluster.devices)
+
+
+def test_plan_times_each_stage_on_the_cluster_once(cluster):
+    from tfnb.placement.planners import as_topology
+
+    model = tiny("llama")
+    topo = as_topology(cluster, model, 1, 16)
+    d0, d1 = cluster.devices[:2]
+    assert set(topo.stage_times) == {(s, d) for s in model.chain.names for d in cluster.devices}
+    assert all(t >= 0 for t in topo.stage_times.values())
+    assert sum(topo.stage_times.values()) > 0
+    # the two workers are one kind: timed once, the figures shared
+    assert topo.stage_times[("block.1", d0)] == topo.stage_times[("block.1", d1)]
+    assert as_topology(cluster, model, 1, 16).stage_times == topo.stage_times  # cached
+    p = plan(model, cluster, context_len=16)
+    one_device = len(set(p.assignment.values())) == 1
+    if one_device:   # no hop: the prediction is the sum of the calibrated stage times
+        dev = p.assignment["embed"]
+        assert p.prediction.latency_s == pytest.approx(
+            sum(topo.stage_times[(s, dev)] for s in model.chain.names))
+    assert as_topology(cluster).stage_times == {}   # without a model: FLOP estimates
+
+
+def test_workers_on_different_cpus_are_different_kinds():
+    import warnings
+
+    import tfnb
+    from tfnb.cluster.security import ExposedServerWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ExposedServerWarning)
+        c = tfnb.local(2, cpus=[None, "0"])
+    try:
+        assert [w.cpus for w in c.status().workers][1] == 1
+        topo = measure_topology(c, repeats=1, tensor_bytes=100_000, matmul_n=64)
+        assert len(topo.classes()) == 2
+    finally:
+        c.stop()

@@ -9,9 +9,14 @@
   bandwidth = bytes / (half the extra time with a ``tensor_bytes`` tensor - latency). Links are
   taken as symmetric. Every figure is the best of ``repeats`` runs (the machines are noisy).
 - **kinds**: with ``smooth=True`` (default) the devices of one type on one host are taken as
-  identical: their FLOP/s averaged, memory the smallest, links averaged per pair of kinds.
+  identical: their FLOP/s averaged, memory the smallest, links averaged per pair of kinds. CPU
+  devices are alike only when their workers may use as many CPUs (``tfnb worker --cpus``); a
+  CPU device whose worker does not say is a kind of its own.
 - **memory**: from ``cluster.status()``: an accelerator's free memory (or TF's limit); for CPU
   devices the host's available RAM, divided among the workers that share that host.
+
+- **stage times** (``calibrate``): seconds per decode step of each stage of a llama model on
+  one device of each class (:mod:`tfnb.runtime.calibrate`), the same for the device's twins.
 
 The whole measurement stops starting new work after ``budget_s`` seconds; pairs not measured by
 then get the slowest measured link (a warning says how many). Results are cached per cluster
@@ -28,7 +33,7 @@ import numpy as np
 
 from tfnb.placement.cost import Topology
 
-__all__ = ["measure_topology", "clear_cache"]
+__all__ = ["measure_topology", "calibrate", "clear_cache"]
 
 _CACHE: dict = {}
 
@@ -95,8 +100,8 @@ def _pair(tf, a: str, b: str, tensors, repeats: int) -> tuple[float, float]:
     return latency, nbytes / (transfer if transfer > 0.05 * extra[1] else max(extra[1], 1e-7))
 
 
-def _memory_and_hosts(cluster, devices: list[str]) -> tuple[list[float], list[str]]:
-    """Memory cap and host of each device, from one ``cluster.status()``."""
+def _memory_and_kinds(cluster, devices: list[str]) -> tuple[list[float], list[tuple]]:
+    """Memory cap and kind (host, type, CPUs) of each device, from one ``cluster.status()``."""
     status = cluster.status()
     cpus: dict[str, int] = {}
     found = {}
@@ -104,25 +109,28 @@ def _memory_and_hosts(cluster, devices: list[str]) -> tuple[list[float], list[st
         host = w.address.rsplit(":", 1)[0]
         for d in w.devices:
             cpus[host] = cpus.get(host, 0) + (d.device_type == "CPU")
-            found[d.name] = (host, d)
-    memory, where = [], []
+            found[d.name] = (host, d, w)
+    memory, kinds = [], []
     for dev in devices:
-        host, d = found.get(dev, (dev, None))
+        host, d, w = found.get(dev, (dev, None, None))
         value = None if d is None else (d.memory_free or d.memory_total)
         if d is not None and d.device_type == "CPU" and value:
             value = value / cpus[host]
         memory.append(float(value) if value else math.inf)
-        where.append(host)
-    return memory, where
+        kind = dev.rsplit("device:", 1)[-1].split(":")[0]
+        if kind == "CPU":
+            kinds.append((host, kind, w.cpus if w is not None and w.cpus else dev))
+        else:
+            kinds.append((host, kind))
+    return memory, kinds
 
 
-def _smooth(devices, hosts, memory, flops, latency, bandwidth):
-    """Average the figures of each kind of device (one device type on one host).
+def _smooth(kind, memory, flops, latency, bandwidth):
+    """Average the figures of each kind of device (see ``_memory_and_kinds``).
 
     Measurements are noisy: without this every device would differ a little from its twins,
     and the exact planner, which groups interchangeable devices, would face them one by one.
     """
-    kind = [(h, d.rsplit("device:", 1)[-1].split(":")[0]) for d, h in zip(devices, hosts)]
     groups: dict = {}
     for i, k in enumerate(kind):
         groups.setdefault(k, []).append(i)
@@ -167,9 +175,7 @@ def measure_topology(cluster, devices=None, *, repeats: int = 5, tensor_bytes: i
     import tensorflow as tf
 
     devices = list(cluster.devices if devices is None else devices)
-    incarnations = getattr(cluster, "_incarnations", None) or {}
-    key = (tuple(sorted(devices)), tuple(sorted(incarnations.items())), repeats, tensor_bytes,
-           matmul_n, matmuls, smooth)
+    key = (_cluster_key(cluster, devices), repeats, tensor_bytes, matmul_n, matmuls, smooth)
     if not refresh and key in _CACHE:
         return _CACHE[key]
     start = time.perf_counter()
@@ -196,10 +202,47 @@ def measure_topology(cluster, devices=None, *, repeats: int = 5, tensor_bytes: i
         lat_fill = np.nanmax(latency[off]) if np.isfinite(latency[off]).any() else 1e-3
         bw_fill = np.nanmin(bandwidth[off]) if np.isfinite(bandwidth[off]).any() else 1e8
         latency[np.isnan(latency)], bandwidth[np.isnan(bandwidth)] = lat_fill, bw_fill
-    memory, where = _memory_and_hosts(cluster, devices)
+    memory, kinds = _memory_and_kinds(cluster, devices)
     if smooth:
-        memory, flops, latency, bandwidth = _smooth(devices, where, memory, flops, latency,
-                                                    bandwidth)
+        memory, flops, latency, bandwidth = _smooth(kinds, memory, flops, latency, bandwidth)
     topo = Topology(devices, memory=memory, flops=flops, latency=latency, bandwidth=bandwidth)
     _CACHE[key] = topo
     return topo
+
+
+def _cluster_key(cluster, devices) -> tuple:
+    """Devices and worker incarnations: a restarted worker is measured again."""
+    incarnations = getattr(cluster, "_incarnations", None) or {}
+    return tuple(sorted(devices)), tuple(sorted(incarnations.items()))
+
+
+def calibrate(model, cluster, topology: Topology | None = None, *, batch: int = 1,
+              context_len: int = 1024, refresh: bool = False) -> dict:
+    """``{(stage, device): seconds per decode step}`` for every stage of ``model`` on every
+    device of ``cluster``, timed on one device per class of interchangeable devices (cached per
+    cluster, model, batch and cache size).
+
+    Examples
+    --------
+    >>> times = calibrate(model, tfnb.current())                     # doctest: +SKIP
+    >>> round(times[("block.0", cluster.devices[0])] * 1e3, 2)        # doctest: +SKIP
+    1.62
+    """
+    from tfnb.runtime.calibrate import time_stages
+    from tfnb.runtime.requests import bucket
+
+    config = model.config
+    topology = topology or measure_topology(cluster)
+    slots = bucket(max(1, context_len), 64, maximum=max(64, config.max_context))
+    key = ("stages", _cluster_key(cluster, topology.devices), getattr(model, "name", None), repr(config), batch,
+           slots)
+    if refresh or key not in _CACHE:
+        times = {}
+        for members in topology.classes():
+            per = time_stages(config, topology.devices[members[0]], batch=batch, slots=slots)
+            for d in members:
+                dev = topology.devices[d]
+                times[("embed", dev)], times[("head", dev)] = per["embed"], per["head"]
+                times.update({(f"block.{i}", dev): per["block"] for i in range(config.n_layers)})
+        _CACHE[key] = times
+    return _CACHE[key]

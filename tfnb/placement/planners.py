@@ -42,11 +42,15 @@ def _chain(model_or_chain):
     return chain
 
 
-def as_topology(cluster_or_topology) -> Topology:
+def as_topology(cluster_or_topology, model=None, batch: int = 1,
+                context_len: int | None = None) -> Topology:
     """A ``Topology`` from a Topology, a connected ``Cluster`` (measured, cached) or devices.
 
-    A list of device strings gives a topology with unlimited memory, equal speeds and equal
-    links (placement then only balances the chain).
+    With a cluster and a placeable llama ``model`` (``tfnb.load_model``, ``tiny("llama")``), the
+    topology also carries the stage times measured on the cluster for ``batch`` and
+    ``context_len`` (:func:`tfnb.placement.measure.calibrate`), which replace the FLOP-based
+    estimate. A list of device strings gives a topology with unlimited memory, equal speeds and
+    equal links (placement then only balances the chain).
 
     Examples
     --------
@@ -56,13 +60,24 @@ def as_topology(cluster_or_topology) -> Topology:
     if isinstance(cluster_or_topology, Topology):
         return cluster_or_topology
     if hasattr(cluster_or_topology, "devices") and hasattr(cluster_or_topology, "status"):
-        from tfnb.placement.measure import measure_topology
+        from tfnb.placement.measure import calibrate, measure_topology
 
-        return measure_topology(cluster_or_topology)
+        topo = measure_topology(cluster_or_topology)
+        if _placeable(model):
+            batch, context_len = check_load(batch, context_len)
+            topo = topo.with_stage_times(calibrate(model, cluster_or_topology, topo, batch=batch,
+                                                   context_len=context_len))
+        return topo
     if isinstance(cluster_or_topology, (list, tuple, str)):
         return Topology(cluster_or_topology)
     raise PlacementError(f"cluster={cluster_or_topology!r:.60}: expected a Cluster, a Topology "
                          "or a list of device strings")
+
+
+def _placeable(model) -> bool:
+    """Whether the runtime can time ``model``'s stages (a llama model with its weights)."""
+    return getattr(model, "arch", None) == "llama" and hasattr(model, "config") \
+        and getattr(model, "weights", None) is not None
 
 
 def _check_fits(chain, topo: Topology, batch: int, context_len: int) -> None:
@@ -189,7 +204,8 @@ def optimal_assignment(chain, topo: Topology, batch: int = 1, context_len: int =
 
 
 def plan(model_or_chain, cluster_or_topology, mode: str = "optimal", objective: str = "latency",
-         batch: int = 1, context_len: int | None = None, max_memory: dict | None = None) -> Plan:
+         batch: int = 1, context_len: int | None = None, max_memory: dict | None = None,
+         calibrate: bool = True) -> Plan:
     """Choose devices for every stage of a model and predict what it costs.
 
     Parameters
@@ -202,6 +218,8 @@ def plan(model_or_chain, cluster_or_topology, mode: str = "optimal", objective: 
     batch, context_len : the load the memory caps (KV cache) and costs are computed for;
         ``context_len=None`` means ``DEFAULT_CONTEXT_LEN``
     max_memory : ``{device: bytes or "512MB"}``, or one cap for every device, replacing the measured caps
+    calibrate : with a cluster and a llama model, time its stages on the cluster's devices
+        (once per cluster, model and load; cached) instead of estimating them from FLOPs
 
     Examples
     --------
@@ -216,8 +234,9 @@ def plan(model_or_chain, cluster_or_topology, mode: str = "optimal", objective: 
     if objective not in OBJECTIVES:
         raise PlacementError(f"objective={objective!r}: expected one of {list(OBJECTIVES)}")
     chain = _chain(model_or_chain)
-    topo = as_topology(cluster_or_topology).with_max_memory(max_memory)
     batch, context_len = check_load(batch, context_len)
+    topo = as_topology(cluster_or_topology, model_or_chain if calibrate else None, batch,
+                       context_len).with_max_memory(max_memory)
     start = time.perf_counter()
     replicas = ()
     if mode == "replicate":

@@ -90,7 +90,7 @@ class PlacementEditor(W.VBox):
             from tfnb.cluster import current
 
             cluster = current()
-        topology = as_topology(cluster).with_max_memory(max_memory)
+        topology = as_topology(cluster, model, batch, context_len).with_max_memory(max_memory)
         super().__init__(**kwargs)
         self._ready, self._auto_plan, self._applied_plan = False, None, None
         self._apply_callbacks = W.CallbackDispatcher()
