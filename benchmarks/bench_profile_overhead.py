@@ -6,8 +6,12 @@ After a warm-up call (which compiles), ``--repeat`` rounds each time, in one rou
 
 * ``plain``: ``placed.generate_ids(...)`` alone;
 * ``traced``: the same call inside ``with tfnb.profiler.profile()``, timed around the call only
-  (what tracing costs the traced code), and the whole block (plus starting and collecting the
-  traces); parsing, deferred to the first read of the profile, is timed apart.
+  (what tracing costs the traced code), and the whole block (plus starting the sessions and
+  ending the trace window). What the block defers is timed apart, right after it, as a first
+  read of the profile does it: ``collect``, waiting for the workers to hand their traces back
+  (``prof.partial``; the workers convert their traces after the block, which is where the fixed
+  cost of a capture went, see tfnb/profiler/capture.py), then ``parse`` (``prof.transfers()``).
+  ``block + collect`` is what a caller pays who waits for the traces at once.
 
 The order of ``plain`` and ``traced`` alternates per round; figures are medians. The machine is
 shared and noisy: compare the ratios of one run. Writes ``benchmarks/results/profile_overhead.md``
@@ -39,7 +43,8 @@ def measure(placed, prompt_ids, new: int, repeat: int, host_level: int, cluster)
     from tfnb.profiler import capture
 
     capture.HOST_TRACER_LEVEL = host_level
-    plain, traced, block, parse, per_token = [], [], [], [], []
+    plain, traced, block, collect, parse, per_token = [], [], [], [], [], []
+    start, stop = [], []
     for i in range(repeat):
         for kind in (("plain", "traced") if i % 2 == 0 else ("traced", "plain")):
             if kind == "plain":
@@ -51,36 +56,53 @@ def measure(placed, prompt_ids, new: int, repeat: int, host_level: int, cluster)
                 with tfnb.profiler.profile(cluster, timeout=60) as prof:
                     t1 = time.perf_counter()
                     out = placed.generate_ids(prompt_ids, max_new_tokens=new)
-                    traced.append(time.perf_counter() - t1)
-                block.append(time.perf_counter() - t0)
-                t2 = time.perf_counter()
+                    t2 = time.perf_counter()
+                t3 = time.perf_counter()
+                traced.append(t2 - t1)
+                block.append(t3 - t0)
+                start.append(t1 - t0)
+                stop.append(t3 - t2)
+                partial = prof.partial  # waits for the traces
+                t4 = time.perf_counter()
+                collect.append(t4 - t3)
                 rows = prof.transfers()
-                parse.append(time.perf_counter() - t2)
+                parse.append(time.perf_counter() - t4)
                 w0, w1 = placed.devices[:2]
                 fwd = [r for r in prof.transfer_edges() if (r["source"], r["destination"]) == (w0, w1)]
-                per_token.append({"steps": len(out) - 1, "partial": prof.partial,
+                per_token.append({"steps": len(out) - 1, "partial": partial,
                                   "loop_edges": [(r["tensor"], r["count"], r["bytes_each"]) for r in fwd
                                                  if r["count"] == len(out) - 1],
                                   "transfers": [{k: r[k] for k in ("source", "destination", "bytes", "count", "unknown")}
                                                 for r in rows]})
             assert len(out) == new, (kind, len(out))
     med = statistics.median
+    waited = [b + c for b, c in zip(block, collect)]
     return {"host_tracer_level": host_level, "plain_s": plain, "traced_s": traced, "block_s": block,
-            "parse_s": parse, "plain_median_s": med(plain), "traced_median_s": med(traced),
-            "block_median_s": med(block), "parse_median_s": med(parse),
+            "start_s": start, "stop_s": stop, "collect_s": collect, "parse_s": parse,
+            "plain_median_s": med(plain), "traced_median_s": med(traced), "block_median_s": med(block),
+            "start_median_s": med(start), "stop_median_s": med(stop), "collect_median_s": med(collect),
+            "parse_median_s": med(parse), "block_collect_median_s": med(waited),
             "traced_ratio": med(traced) / med(plain), "block_ratio": med(block) / med(plain),
+            "block_collect_ratio": med(waited) / med(plain),
             "tokens_per_s_plain": new / med(plain), "check": per_token[-1]}
 
 
 def to_markdown(res: dict) -> str:
     lines = [f"# Profile overhead: SmolLM2-135M, 2 local workers, {res['new_tokens']} new tokens, greedy, batch 1",
              "", f"{res['machine']}; medians of {res['repeat']} interleaved rounds; {res['when']}.", "",
-             "| host tracer level | plain s | traced call s | ratio | whole `with` block s | ratio | parse s |",
-             "|---|---|---|---|---|---|---|"]
+             "| host tracer level | plain s | traced call s | ratio | whole `with` block s | ratio "
+             "| collect s (deferred) | parse s (deferred) | block + collect s | ratio |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["runs"]:
         lines.append(f"| {r['host_tracer_level']} | {r['plain_median_s']:.3f} | {r['traced_median_s']:.3f} | "
                      f"{r['traced_ratio']:.3f}x | {r['block_median_s']:.3f} | {r['block_ratio']:.3f}x | "
-                     f"{r['parse_median_s']:.3f} |")
+                     f"{r['collect_median_s']:.3f} | {r['parse_median_s']:.3f} | "
+                     f"{r['block_collect_median_s']:.3f} | {r['block_collect_ratio']:.3f}x |")
+    r = res["runs"][-1]
+    lines += ["", f"Inside the block: starting the sessions {r['start_median_s'] * 1e3:.0f} ms, ending the trace "
+              f"window {r['stop_median_s'] * 1e3:.0f} ms (medians). `collect` and `parse` run on the first read of "
+              "the profile (here right after the block): the workers convert and send their traces after the "
+              "window has ended, while this process goes on."]
     chk = res["runs"][-1]["check"]
     lines += ["", f"Transfers in the last traced call ({chk['steps']} decode steps):", ""]
     for t in chk["transfers"]:

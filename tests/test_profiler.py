@@ -188,6 +188,82 @@ def test_dead_silent_and_unprofiled_workers_give_a_partial_profile(cluster):
     assert {f"{w}/device:CPU:0" for w in cluster.workers} <= set(prof.devices)
 
 
+def _fake_profiler(snapshot):
+    """A gRPC server whose ProfilerService starts sessions at once and answers GetSnapshot with
+    ``snapshot(request, context)``; returns (server, port)."""
+    import grpc
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tfnb.profiler.rpc import messages
+
+    m = messages()
+
+    def rpc(fn, req):
+        return grpc.unary_unary_rpc_method_handler(fn, request_deserializer=m[req].FromString,
+                                                   response_serializer=lambda msg: msg.SerializeToString())
+
+    server = grpc.server(ThreadPoolExecutor(4))
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("tensorflow.ProfilerService", {
+        "StartContinuousProfiling": rpc(lambda req, ctx: m["Empty"](), "ProfileRequest"),
+        "StopContinuousProfiling": rpc(lambda req, ctx: m["Empty"](), "Empty"),
+        "GetSnapshot": rpc(snapshot, "Empty")})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, port
+
+
+def test_worker_dying_or_hanging_while_its_trace_comes_in_gives_a_partial_profile(cluster):
+    """Leaving the block only ends the trace window; a worker that dies or hangs while its trace
+    is on its way makes the profile partial when it is read, within the timeout, never a hang."""
+    import threading
+
+    from tfnb.profiler.rpc import messages
+
+    release = threading.Event()
+
+    def hang(req, ctx):
+        release.wait(30)
+        return messages()["ProfileResponse"]()
+
+    (dying, dying_port), (hung, hung_port) = _fake_profiler(hang), _fake_profiler(hang)
+    extra = {"/job:dies/replica:0/task:0": f"127.0.0.1:{dying_port}",
+             "/job:hangs/replica:0/task:0": f"127.0.0.1:{hung_port}"}
+    view = types.SimpleNamespace(workers=cluster.workers + list(extra), connected=True,
+                                 spec=types.SimpleNamespace(addresses=cluster.spec.addresses + list(extra.values())),
+                                 client_address=cluster.client_address)
+    try:
+        t0 = time.monotonic()
+        with tfnb.profiler.profile(view, timeout=3) as prof:
+            pass
+        assert time.monotonic() - t0 < 2  # did not wait for the traces (the hung one takes 3 s)
+        dying.stop(0)  # dies with its GetSnapshot in flight
+        t1 = time.monotonic()
+        reasons = prof.reasons
+        assert time.monotonic() - t1 < 3 + 2  # bounded by the timeout
+    finally:
+        release.set()
+        dying.stop(0)
+        hung.stop(0)
+    assert prof.partial and set(reasons) == set(extra), reasons
+    died = reasons["/job:dies/replica:0/task:0"]
+    assert extra["/job:dies/replica:0/task:0"] in died and ("went away" in died or "dead or unreachable" in died)
+    assert "did not answer within the capture timeout" in reasons["/job:hangs/replica:0/task:0"]
+    assert {f"{w}/device:CPU:0" for w in cluster.workers} <= set(prof.devices)
+
+
+def test_back_to_back_blocks_read_later(split):
+    """A block can start while the previous one's traces are still coming in; each profile
+    holds its own block only."""
+    profs = []
+    for _ in range(3):
+        with tfnb.profiler.profile(timeout=30) as prof:
+            split.chain(split.x)
+        profs.append(prof)
+    for prof in profs:
+        assert not prof.partial, prof.reasons
+        assert [r["calls"] for r in prof.transfers(split.chain)] == [1, 1]
+
+
 def test_not_connected_and_bad_arguments(cluster, ipython):
     with pytest.raises(ProfileError, match="timeout=0"):
         with tfnb.profiler.profile(timeout=0):

@@ -22,13 +22,18 @@ def profile(cluster=None, *, timeout: float = 60.0, trace_dir=None):
     """Trace every worker of ``cluster`` (default: the connected one) and this process while the
     ``with`` block runs; the yielded :class:`Profile` is filled when the block ends.
 
+    Leaving the block only ends the trace window: the workers hand their traces back in the
+    background, and the first read of the profile (``partial``, ``reasons``, any table, plot or
+    display) waits for them, at most ``timeout`` seconds.
+
     Parameters
     ----------
     cluster : tfnb.Cluster, optional
         Default: :func:`tfnb.current`. :class:`~tfnb.errors.ProfileError` when not connected.
     timeout : float
         Most seconds spent waiting for any worker to start or hand back its trace (default 60).
-        A worker that is dead, silent or has no profiler service makes the profile ``partial``.
+        A worker that is dead, silent or has no profiler service, or that dies before its trace
+        is in, makes the profile ``partial``.
     trace_dir : str or path, optional
         Also write the raw traces there in TensorBoard's layout.
 

@@ -8,24 +8,51 @@ does not know. Every TF server (each worker's ``tf.distribute.Server``) runs the
 ``StartContinuousProfiling`` / ``GetSnapshot`` / ``StopContinuousProfiling``:
 
 * ``StartContinuousProfiling`` answers once the worker's profiler session *is running* (probed:
-  about 5 ms on loopback), so no event of the block is lost and nothing has to sleep; the
-  alternative ``Profile`` RPC with a long duration + ``Terminate`` gives no such acknowledgment;
+  2-3 ms per target on loopback; every target is asked at once), so no event of the block is
+  lost and nothing has to sleep; the alternative ``Profile`` RPC with a long duration +
+  ``Terminate`` gives no such acknowledgment, nor the round trip that clock alignment needs;
 * ``GetSnapshot`` returns the worker's XSpace *in the reply* (no shared file system needed
   between hosts, unlike ``client.trace`` which makes each worker write into ``logdir`` on its own
-  disk); it restarts a session, which ``StopContinuousProfiling`` then ends.
+  disk): it stops the tracers, converts the trace, then restarts a session, which
+  ``StopContinuousProfiling`` ends.
+
+Leaving the block sends every target its ``GetSnapshot`` and returns: the trace window ends
+there (``t_end``; what a worker records between ``t_end`` and the RPC's arrival is clipped). The
+traces come back in the background (:class:`Collection`) and the Profile waits for them when it
+is first read; a thread sends ``StopContinuousProfiling`` once each snapshot is in, whether or
+not the profile is read, and a next capture of the same servers first waits for that (at most
+10 s), since a server runs one session at a time.
 
 This process is traced the same way, through the TF server that connecting started in it
 (``Cluster.client_address``): the in-process ``_pywrap_profiler.ProfilerSession.stop()`` returns
 trace-viewer events rather than an XSpace (probed), and ``tf.profiler.experimental.stop`` goes
 through files.
-Every RPC has a gRPC deadline, so a dead or silent worker costs at most ``timeout`` seconds and
-makes the profile ``partial`` with the reason, never a hang.
+Every RPC has a gRPC deadline, so a dead or silent worker, or one that dies while its trace is
+on its way, costs at most ``timeout`` seconds and makes the profile ``partial`` with the reason,
+never a hang.
 
-Overhead (measured on the 2-core test machine, 2 local workers, 100 calls of a 2-worker step of
-8 matmuls 8x576x576, about 1.1 s untraced, medians of 3 interleaved runs): the traced code ran
-about 1.05x its untraced time (host tracer level 3; level 2 was not measurably cheaper); starting
-costs 15-45 ms and collecting 0.2-0.45 s (the snapshot RPCs), a fixed cost that a long generate
-amortizes. Parsing (about 0.5 s per 5000 ops) is deferred to the first read of the Profile.
+Overhead
+--------
+Probed on the 2-core test machine (shared with other jobs), SmolLM2-135M over 2 local workers,
+48 new tokens, host tracer level 3, medians of 3 rounds. The fixed cost of a capture (0.5-0.65 s
+while the block waited for it) is the workers converting their traces inside ``GetSnapshot``:
+0.3-0.9 s per worker for 58-66k events (3.0-3.6 MB of XSpace). 82% of worker 0's events are the
+HLO ops of the XLA calls and their end markers and 14% the thread pool's own events; the TF ops
+that tfnb reads are 1%, and no ProfileOptions field drops the rest (see ``rpc.options``). The
+other parts are small: the session restart in ``GetSnapshot`` plus ``StopContinuousProfiling``
+1-4 ms (on an idle session), this process's own trace 2-9 ms (4 KB), 3.6 MB over loopback taken
+as bytes (no proto parse in Python) a few ms. ``Profile`` + ``Terminate`` is no cheaper (its
+traces arrive 0.36-0.62 s after ``Terminate``: the same conversion), and asking all workers at
+once saves little on 2 cores (0.35-0.7 s for all three): the conversions share the CPUs.
+
+So the conversion now runs after the block. In ``benchmarks/bench_profile_overhead.py`` (5
+interleaved rounds, same setup) the traced generate took 1.05x the plain one and the whole block
+1.07x (starting the sessions 6-19 ms, ending the window 3-30 ms). The deferred part, paid on the
+first read of the profile, was 0.27-0.36 s waiting for the traces plus 0.14-0.39 s parsing
+(``xplane.parse_space`` skips the HLO and thread-pool events by name, 2-3x faster than before):
+1.27x in all for a caller who reads the profile at once. TF work started before the profile is
+read shares the CPUs with the workers' conversion (probed: a generate started right after a
+block took up to 0.55 s longer).
 
 Clock alignment
 ---------------
@@ -46,17 +73,22 @@ import uuid
 from tfnb.errors import NotConnectedError, ProfileError
 
 HOST_TRACER_LEVEL = 3  # 3 adds the input shapes that transfer sizes are read from (see xplane.py)
-_active: set = set()
+_active: set = set()   # captures whose block is running
+_pending: set = set()  # stopped captures whose traces are still coming in or sessions still ending
 
 
 def _reason(err) -> str:
     import grpc
 
+    if isinstance(err, (grpc.FutureTimeoutError, TimeoutError)):
+        return "did not answer within the capture timeout"
     code = err.code() if hasattr(err, "code") else None
     details = (err.details() if hasattr(err, "details") else str(err)) or ""
     details = details.strip().splitlines()[0][:160] if details.strip() else ""
     if code == grpc.StatusCode.UNAVAILABLE:
         return f"did not answer (dead or unreachable): {details}"
+    if code == grpc.StatusCode.CANCELLED:
+        return f"stopped answering (its server went away): {details}"
     if code == grpc.StatusCode.UNIMPLEMENTED:
         return "has no TF profiler service"
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -66,23 +98,9 @@ def _reason(err) -> str:
     return f"{getattr(code, 'name', type(err).__name__)}: {details}"
 
 
-def _in_threads(fn, items, deadline_s: float) -> list:
-    """Run ``fn(item)`` for each item in parallel; (result | exception) per item, bounded."""
-    out: list = [TimeoutError(f"no answer within {deadline_s:g} s")] * len(items)
-
-    def run(i, item):
-        try:
-            out[i] = fn(item)
-        except Exception as e:  # noqa: BLE001 - reported per worker
-            out[i] = e
-
-    threads = [threading.Thread(target=run, args=(i, it), daemon=True) for i, it in enumerate(items)]
-    for t in threads:
-        t.start()
-    end = time.monotonic() + deadline_s
-    for t in threads:
-        t.join(max(0.0, end - time.monotonic()))
-    return out
+def _result(future, deadline: float):
+    """A gRPC future's reply, waiting at most until ``deadline`` (time.monotonic); its error raised."""
+    return future.result(timeout=max(0.0, deadline - time.monotonic()))
 
 
 class Capture:
@@ -103,75 +121,132 @@ class Capture:
         self.t_begin = self.t_end = 0
 
     def start(self) -> None:
+        """Start a session on every target at once; returns when each has answered (or failed)."""
         from tfnb.profiler.rpc import ProfilerStub, messages, options
 
-        m = messages()
-        req = m["ProfileRequest"](opts=options(0, host_level=HOST_TRACER_LEVEL), emit_xspace=True,
-                                  session_id=self.session_id, duration_ms=0)
-
-        def start_one(target):
-            task, address = target
-            stub = ProfilerStub(address)
+        limit = min(self.timeout, 10.0)
+        addresses = {a for _, a in self.targets}
+        for prior in list(_pending):  # a server runs one session at a time: let earlier ones end
+            if prior.addresses & addresses:
+                prior.wait_finished(limit)
+        req = messages()["ProfileRequest"](opts=options(0, host_level=HOST_TRACER_LEVEL), emit_xspace=True,
+                                           session_id=self.session_id, duration_ms=0)
+        calls = []
+        for task, address in self.targets:
+            stub, replied = ProfilerStub(address), []
             t0 = time.time_ns()
+            fut = stub.start_continuous.future(req, timeout=limit)
+            fut.add_done_callback(lambda f, r=replied: r.append(time.time_ns()))  # t1: the reply's arrival
+            calls.append((task, address, stub, t0, fut, replied))
+        deadline = time.monotonic() + limit + 1.0
+        for task, address, stub, t0, fut, replied in calls:
             try:
-                stub.start_continuous(req, timeout=min(self.timeout, 10.0))
-            except Exception:
+                _result(fut, deadline)
+            except Exception as e:  # noqa: BLE001 - reported per target
+                fut.cancel()
                 stub.close()
-                raise
-            return stub, t0, time.time_ns()
-
-        for (task, address), res in zip(self.targets, _in_threads(start_one, self.targets, min(self.timeout, 10.0) + 1)):
-            if isinstance(res, BaseException):
-                self.reasons[task] = f"{address} {_reason(res)}"
+                self.reasons[task] = f"{address} {_reason(e)}"
             else:
-                self.started[task] = res
+                self.started[task] = (stub, t0, replied[0] if replied else time.time_ns())
         _active.add(self)
         self.t_begin = time.time_ns()
 
-    def stop(self) -> dict:
-        """End every session (bounded by the timeout); the raw material of a Profile:
-        ``spaces`` maps each host to (task, serialized XSpace, (t0, t1) around its start)."""
+    def stop(self) -> Collection:
+        """End the trace window now; the traces follow in the background (see :class:`Collection`)."""
         from tfnb.profiler.rpc import messages
 
         self.t_end = time.time_ns()
         _active.discard(self)
-        spaces = {}
         empty = messages()["Empty"]
-
-        def collect(task):
-            stub = self.started[task][0]
-            try:
-                return stub.snapshot(empty(), timeout=self.timeout).xspace
-            finally:
-                try:
-                    stub.stop_continuous(empty(), timeout=min(self.timeout, 5.0))
-                except Exception:  # noqa: BLE001 - the snapshot is what matters
-                    pass
-                stub.close()
-
-        tasks = list(self.started)
-        for task, res in zip(tasks, _in_threads(collect, tasks, self.timeout + 6.0)):
-            if isinstance(res, BaseException):
-                self.reasons[task] = f"{dict(self.targets)[task]} {_reason(res)}"
-            else:
-                spaces[task] = (self.client_task if task == "client" else task, res, self.started[task][1:])
+        calls = {task: (stub, stub.snapshot.future(empty(), timeout=self.timeout), t01)
+                 for task, (stub, *t01) in self.started.items()}
         self.started = {}
-        return {"spaces": spaces, "reasons": dict(self.reasons), "t_begin": self.t_begin,
-                "t_end": self.t_end, "workers": [t for t, _ in self.targets if t != "client"],
-                "client_device": self.client_device}
+        return Collection(self, calls)
 
     def abort(self) -> None:
         """Stop everything, keep nothing (interpreter exit)."""
         try:
-            self.stop()
+            self.stop().wait_finished(self.timeout + 7.0)
         except Exception:  # noqa: BLE001
             pass
+
+
+class Collection:
+    """The traces of a stopped capture, on their way here: what :class:`~tfnb.profiler.Profile`
+    reads when first used. Every target was sent its ``GetSnapshot`` when the block ended, so
+    each worker converts its trace while this process goes on; :meth:`result` waits for them (at
+    most the capture's timeout, then the missing ones are reasons), and a background thread ends
+    the sessions (``GetSnapshot`` restarts one) and closes the channels whether or not anybody
+    reads the profile."""
+
+    def __init__(self, cap: Capture, calls: dict):
+        from tfnb.profiler.rpc import messages
+
+        self.t_begin, self.t_end = cap.t_begin, cap.t_end
+        self.timeout = cap.timeout
+        self.address = dict(cap.targets)
+        self.addresses = set(self.address.values())
+        self._base = {"reasons": dict(cap.reasons), "t_begin": cap.t_begin, "t_end": cap.t_end,
+                      "workers": [t for t, _ in cap.targets if t != "client"],
+                      "client_device": cap.client_device}
+        self._client_task = cap.client_task
+        self._calls = calls  # task -> (stub, GetSnapshot future, (t0, t1))
+        self._deadline = time.monotonic() + cap.timeout + 1.0  # past every RPC's own deadline
+        self._raw: dict | None = None
+        self._lock = threading.Lock()
+        self._finished = threading.Event()
+        self._empty = messages()["Empty"]
+        _pending.add(self)
+        threading.Thread(target=self._finish, name="tfnb-profile-stop", daemon=True).start()
+
+    def _finish(self) -> None:
+        try:
+            for stub, fut, _ in self._calls.values():
+                try:
+                    _result(fut, self._deadline)
+                except Exception:  # noqa: BLE001 - result() reports it
+                    pass
+            limit = min(self.timeout, 5.0)
+            stops = [stub.stop_continuous.future(self._empty(), timeout=limit) for stub, _, _ in self._calls.values()]
+            end = time.monotonic() + limit + 1.0
+            for f in stops:
+                try:
+                    _result(f, end)
+                except Exception:  # noqa: BLE001 - the trace is what matters
+                    pass
+        finally:
+            for stub, _, _ in self._calls.values():
+                stub.close()
+            _pending.discard(self)
+            self._finished.set()
+
+    def wait_finished(self, seconds: float) -> bool:
+        """Wait until every session has ended (or ``seconds`` passed)."""
+        return self._finished.wait(seconds)
+
+    def result(self) -> dict:
+        """The raw material of a Profile (waits for the traces, bounded by the timeout):
+        ``spaces`` maps each host to (task, serialized XSpace, (t0, t1) around its start)."""
+        with self._lock:
+            if self._raw is None:
+                spaces, reasons = {}, dict(self._base["reasons"])
+                for task, (_, fut, t01) in self._calls.items():
+                    try:
+                        data = _result(fut, self._deadline).xspace
+                    except Exception as e:  # noqa: BLE001 - reported per target
+                        reasons[task] = f"{self.address[task]} {_reason(e)}"
+                    else:
+                        spaces[task] = (self._client_task if task == "client" else task, data, tuple(t01))
+                self._raw = {**self._base, "spaces": spaces, "reasons": reasons}
+            return self._raw
 
 
 @atexit.register
 def _stop_all() -> None:
     for cap in list(_active):
         cap.abort()
+    for coll in list(_pending):  # leave no server tracing after this process
+        coll.wait_finished(max(0.0, coll._deadline - time.monotonic()) + 7.0)
 
 
 def resolve_cluster(cluster):

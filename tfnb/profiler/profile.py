@@ -52,6 +52,8 @@ class Profile:
     ----------
     partial : bool
         True when some worker (or this process) could not be traced; ``reasons`` says why.
+        The traces come in after the block has ended: the first read of ``partial``,
+        ``reasons``, ``spaces`` or any table waits for them (at most the capture's timeout).
     reasons : dict
         ``{worker task or "client": reason}``.
     wall_ms : float
@@ -68,24 +70,50 @@ class Profile:
     >>> prof.transfers(chain)                           # doctest: +SKIP
     """
 
-    def __init__(self, data: dict | None = None):
+    def __init__(self, data=None):
         self._ready = False
         self._figure_cache: dict = {}
-        self.partial, self.reasons, self.wall_ms = False, {}, 0.0
+        self._raw, self._pending, self._built = None, None, None
+        self.wall_ms, self.window_ns = 0.0, 0
         if data is not None:
             self._fill(data)
 
-    def _fill(self, raw: dict) -> None:
-        """Take a finished capture. The traces are parsed on first use, not here, so that leaving
-        the profiled block costs only collecting them (see the overhead notes in capture.py)."""
-        self._raw = raw
-        self.window_ns = raw["t_end"] - raw["t_begin"]
+    def _fill(self, raw) -> None:
+        """Take a finished capture: its raw dict, or a :class:`~tfnb.profiler.capture.Collection`
+        whose traces are still coming in. Nothing waits or parses here, so that leaving the
+        profiled block costs only ending the trace window (see the overhead notes in capture.py):
+        the traces are waited for when ``partial``, ``reasons`` or any table is first read."""
+        if isinstance(raw, dict):
+            self._raw, t_begin, t_end = raw, raw["t_begin"], raw["t_end"]
+        else:
+            self._pending, t_begin, t_end = raw, raw.t_begin, raw.t_end
+        self.window_ns = t_end - t_begin
         self.wall_ms = self.window_ns / _MS
-        self.reasons = dict(raw["reasons"])
-        self.partial = bool(self.reasons)
-        self.spaces = {k: v[1] for k, v in raw["spaces"].items()}
         self._built = None
         self._ready = True
+
+    def _collected(self) -> dict:
+        """The raw capture, waiting for the traces still on their way (bounded by its timeout)."""
+        if self._raw is None:
+            if self._pending is None:
+                return {"spaces": {}, "reasons": {}}
+            self._raw, self._pending = self._pending.result(), None
+        return self._raw
+
+    @property
+    def partial(self) -> bool:
+        """True when some worker (or this process) could not be traced; ``reasons`` says why."""
+        return bool(self._collected()["reasons"])
+
+    @property
+    def reasons(self) -> dict:
+        """``{worker task or "client": reason}`` for each host that could not be traced."""
+        return dict(self._collected()["reasons"])
+
+    @property
+    def spaces(self) -> dict:
+        """``{host: serialized XSpace}``: the raw traces, as TensorFlow's profiler wrote them."""
+        return {k: v[1] for k, v in self._collected()["spaces"].items()}
 
     def _check(self) -> None:
         if not self._ready:
@@ -93,7 +121,8 @@ class Profile:
         if self._built is None:
             from tfnb.profiler.build import build
 
-            raw, built = self._raw, build(self._raw)
+            raw = self._collected()
+            built = build(raw)
             devs = [f"{w}/device:CPU:0" for w in raw["workers"] if w in raw["spaces"]]
             devs += [e.device for e in built["events"]]
             if "client" in raw["spaces"]:
@@ -346,7 +375,8 @@ class Profile:
 
     def export_tensorboard(self, logdir) -> str:
         """Write the raw traces where TensorBoard's profile plugin reads them; returns the run dir."""
-        self._check()
+        if not self._ready:
+            self._check()  # raises: still capturing
         from tfnb.profiler.export import tensorboard
 
         return tensorboard(self, logdir)

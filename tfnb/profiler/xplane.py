@@ -27,6 +27,7 @@ _DTYPE_BYTES = {"float": 4, "double": 8, "half": 2, "bfloat16": 2, "int8": 1, "u
                 "bool": 1, "complex64": 8, "complex128": 16, "qint8": 1, "quint8": 1, "qint32": 4}
 _PARTITION = re.compile(r"^(.*?)_partitioned_\d+_\d+$")
 _EPOCH_NS = 10**15  # line timestamps below this are relative to profile_start_time
+_OP, _EXEC, _RUN, _EAGER = range(4)  # kinds of event parse_space keeps
 
 
 class Event(NamedTuple):
@@ -84,27 +85,42 @@ def parse_space(space, device_of, *, shift_ns: int) -> tuple[list[dict], dict[in
         snames = {k: v.name for k, v in plane.stat_metadata.items()}
         wanted = {k: v for k, v in snames.items() if v in ("shape", "from", "to", "key")}
         id_stat = next((k for k, v in snames.items() if v == "id"), None)
+        # What each event name is, decided once per name: most events of an LLM's trace are the
+        # HLO ops of its XLA calls and the thread pool's own events, which are skipped here.
+        kinds: dict = {}
+        for mid, md in meta.items():
+            name = md.name
+            if name == "ExecutorState::Process":
+                kinds[mid] = (_EXEC,)
+            elif name == "FunctionRun":
+                kinds[mid] = (_RUN,)
+            elif name.startswith("EagerLocalExecute"):
+                kinds[mid] = (_EAGER, name.partition(": ")[2])
+            elif ":" in name and " " not in name and "::" not in name:
+                node, _, op = name.rpartition(":")
+                if node and _is_op(op):
+                    meta_stats = [s for s in md.stats if s.metadata_id in wanted] if op in TRANSFER_TYPES else []
+                    kinds[mid] = (_OP, node, op, meta_stats)
         for line in plane.lines:
             t0 = line.timestamp_ns + (base if line.timestamp_ns < _EPOCH_NS else 0) + shift_ns
+            thread = line.name or str(line.id)
             execs, ops, calls = [], [], []
             for e in line.events:
-                name = meta[e.metadata_id].name
+                kind = kinds.get(e.metadata_id)
+                if kind is None:
+                    continue
                 start, dur = t0 + e.offset_ps // 1000, e.duration_ps // 1000
-                if name == "ExecutorState::Process" or name == "FunctionRun":
+                if kind[0] == _OP:
+                    found = [s for s in e.stats if s.metadata_id in wanted] + kind[3]
+                    stats = {wanted[s.metadata_id]: _stat_value(s, snames) for s in found}
+                    ops.append({"device": device, "thread": thread, "name": kind[1],
+                                "op": kind[2], "start": start, "dur": dur, "stats": stats or None})
+                elif kind[0] == _EAGER:
+                    calls.append((start, start + dur, kind[1]))
+                else:
                     sid = next((_stat_value(s, snames) for s in e.stats if s.metadata_id == id_stat), None)
                     if sid is not None:
-                        (execs if name[0] == "E" else calls).append((start, start + dur, int(sid)))
-                elif name.startswith("EagerLocalExecute"):
-                    calls.append((start, start + dur, name.partition(": ")[2]))
-                elif ":" in name and " " not in name and "::" not in name:
-                    node, _, op = name.rpartition(":")
-                    if node and _is_op(op):
-                        found = [s for s in e.stats if s.metadata_id in wanted]
-                        if op in TRANSFER_TYPES:
-                            found += [s for s in meta[e.metadata_id].stats if s.metadata_id in wanted]
-                        stats = {wanted[s.metadata_id]: _stat_value(s, snames) for s in found}
-                        ops.append({"device": device, "thread": line.name or str(line.id), "name": node,
-                                    "op": op, "start": start, "dur": dur, "stats": stats or None})
+                        (execs if kind[0] == _EXEC else calls).append((start, start + dur, int(sid)))
             execs.sort()
             starts = [x[0] for x in execs]
             for ev in ops:  # the step of an op: the innermost executor event around it
