@@ -15,6 +15,7 @@ import json
 import os
 import sys
 import time
+import warnings
 
 import numpy as np
 
@@ -147,8 +148,12 @@ def main():
         for objective in ("latency", "throughput"):
             start = time.perf_counter()
             try:
-                p = plan(chain200, topo, objective=objective, context_len=CONTEXT)
-                result = f"{len(p.segments())} segments, {p.prediction.latency_s * 1e3:.1f} ms"
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    p = plan(chain200, topo, objective=objective, context_len=CONTEXT)
+                how = "beam search" if any("beam" in str(w.message) for w in caught) else "exact"
+                result = (f"{len(p.segments())} segments, {p.prediction.latency_s * 1e3:.1f} ms, "
+                          f"{how}")
             except PlacementError as e:
                 result = f"refused: {str(e)[:80]}"
             results["scale"].append({"case": case, "objective": objective,

@@ -46,7 +46,19 @@ import numpy as np
 from tfnb.errors import PlacementError
 from tfnb.placement.cost import TOKEN_BYTES, Topology, stage_memory
 
-__all__ = ["optimal_segments"]
+__all__ = ["optimal_segments", "exact_is_feasible", "TooLarge"]
+
+
+class TooLarge(PlacementError):
+    """The exact search outgrew its memory budget."""
+
+
+def exact_is_feasible(topo: Topology, n_stages: int, max_bytes: float = 1e9) -> bool:
+    """Whether the exact search's back-pointer tables fit ``max_bytes`` even if no state is
+    pruned (``prod(n_c + 1)`` count vectors of ``K x K x (N + 1)`` floats)."""
+    classes = topo.classes()
+    states = math.prod(len(c) + 1 for c in classes)
+    return states * len(classes) ** 2 * (n_stages + 1) * 8 <= max_bytes * 4
 
 
 def _tables(chain, topo: Topology, classes, batch: int, context_len: int):
@@ -90,11 +102,14 @@ def _bands(P, lo, d: int, N: int):
 
 def optimal_segments(chain, topo: Topology, batch: int, context_len: int,
                      objective: str = "latency", upper_bound: float = math.inf,
-                     max_bytes: float = 1e9):
+                     max_bytes: float = 1e9, beam: int | None = None):
     """``[(device, start, stop), ...]`` of an optimal pipeline and its objective value.
 
     Returns ``(None, inf)`` when no pipeline fits the memory caps. ``upper_bound`` (the value
     of any plan of the claimed form) only prunes; states that cannot beat it are dropped.
+    ``beam`` keeps only that many states per level, those with the least partial cost plus
+    bound: a beam search for state spaces too large to search exactly (many kinds of device),
+    whose result is the best found, not proven optimal.
 
     Examples
     --------
@@ -180,13 +195,19 @@ def optimal_segments(chain, topo: Topology, batch: int, context_len: int,
                     continue
                 if v not in nxt:
                     if len(table) * K * K * (N + 1) * 8 >= max_bytes:
-                        raise PlacementError(
+                        raise TooLarge(
                             f"the exact planner needs more than {max_bytes / 1e9:g} GB "
                             f"({len(table)} states) for {K} kinds among {int(sizes.sum())} "
                             "devices: use mode='greedy', or describe devices of one kind "
                             "identically (same speed, memory and links)")
                     nxt[v] = table[v] = np.full((K, K, N + 1), np.inf)
                 nxt[v][firsts, d, j0:j1] = new[:, x]
+        if beam is not None and len(nxt) > beam:
+            score = {v: float(add(F, bound(v)[None, None, :]).min()) for v, F in nxt.items()}
+            keep = sorted(nxt, key=score.__getitem__)[:beam]
+            for v in set(nxt).difference(keep):
+                del table[v]
+            nxt = {v: nxt[v] for v in keep}
         level = nxt
     if best_key is None:
         return None, math.inf

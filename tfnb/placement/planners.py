@@ -11,7 +11,11 @@
   device where it would *finish earliest* (arrival of its input over the link + its compute
   there), among devices with room left; ties go to the earlier device. It ignores the return hop.
 - ``"optimal"``: exact over pipelines of contiguous runs, one per device (see
-  :mod:`tfnb.placement.optimal`), for ``objective="latency"`` or ``"throughput"``.
+  :mod:`tfnb.placement.optimal`), for ``objective="latency"`` or ``"throughput"``. ``greedy``
+  may visit a device twice, outside that form: when its plan (or ``memory``'s) predicts better,
+  that plan is returned, so ``optimal`` is never predicted worse than a baseline. With too many
+  kinds of device to search every order (16 all different), a beam search replaces the exact
+  one, with a warning.
 
 All modes respect memory caps that include the KV cache for ``batch`` x ``context_len``.
 """
@@ -20,11 +24,14 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 
 from tfnb.errors import PlacementError
 from tfnb.placement.cost import (Topology, check_load, predict, short_device, stage_memory)
-from tfnb.placement.optimal import optimal_segments
+from tfnb.placement.optimal import TooLarge as _TooLarge, exact_is_feasible, optimal_segments
 from tfnb.placement.plan import MODES, OBJECTIVES, Plan
+
+BEAM = 16  # states kept per level when the exact search is too large (200 stages x 16 kinds: < 1 s)
 
 __all__ = ["plan", "memory_assignment", "greedy_assignment", "optimal_assignment",
            "replicate_devices", "as_topology"]
@@ -186,21 +193,41 @@ def optimal_assignment(chain, topo: Topology, batch: int = 1, context_len: int =
     >>> optimal_assignment(tiny("llama").chain, topo, context_len=16)
     {'embed': 'a', 'block.0': 'a', 'block.1': 'b', 'head': 'b'}
     """
-    bound = math.inf
-    try:  # the Accelerate fill is a pipeline too: its value bounds the search
-        p = predict(chain, memory_assignment(chain, topo, batch, context_len), topo, batch,
-                    context_len)
-        bound = p.latency_s if objective == "latency" else p.bottleneck_s
-    except PlacementError:
-        pass
-    segs, _ = optimal_segments(chain, topo, batch, context_len, objective, bound)
-    if segs is None:
+    def value(assignment):
+        p = predict(chain, assignment, topo, batch, context_len)
+        return p.latency_s if objective == "latency" else p.bottleneck_s
+
+    baselines = []  # (value, assignment): a pipeline must beat these to be returned
+    for planner in (memory_assignment, greedy_assignment):
+        try:
+            a = planner(chain, topo, batch, context_len)
+        except PlacementError:
+            continue
+        baselines.append((value(a), a))
+    bound = min((v for v, _ in baselines), default=math.inf)
+    segs = None
+    exact = exact_is_feasible(topo, len(chain))
+    if exact:
+        try:
+            segs, _ = optimal_segments(chain, topo, batch, context_len, objective, bound)
+        except _TooLarge:
+            exact = False
+    if not exact:
+        warnings.warn(f"optimal planner: {len(topo.classes())} kinds of device among "
+                      f"{len(topo.devices)} are too many to search every order exactly; a beam "
+                      f"search of width {BEAM} found this plan (the best found, not proven "
+                      "optimal). Devices of one kind described identically keep the search "
+                      "exact.", stacklevel=3)
+        segs, _ = optimal_segments(chain, topo, batch, context_len, objective, bound, beam=BEAM)
+    names = chain.names
+    found = [] if segs is None else [{names[k]: dev for dev, i, j in segs for k in range(i, j)}]
+    candidates = [(value(a), a) for a in found] + baselines
+    if not candidates:
         raise PlacementError(
             f"no split of the {len(chain)} stages into contiguous runs, one per device, fits "
             f"the memory caps ({_mb(sum(stage_memory(chain, batch, context_len)))} needed, "
             f"{_mb(float(topo.memory.sum()))} in all; stages are never split)")
-    names = chain.names
-    return {names[k]: dev for dev, i, j in segs for k in range(i, j)}
+    return min(candidates, key=lambda c: c[0])[1]  # ties: the pipeline found
 
 
 def plan(model_or_chain, cluster_or_topology, mode: str = "optimal", objective: str = "latency",
