@@ -25,6 +25,19 @@ def test_load_ext_registers_the_magic_and_help_is_real(ipython):
     assert "%tfcluster local 2" in doc
 
 
+def test_load_ext_shows_matplotlib_figures_as_png(ipython):
+    """prof.plot(...) returns a Figure made without pyplot: notebooks must still show an image."""
+    from matplotlib.figure import Figure
+
+    from tfnb.notebook.magics import show_figures_inline
+
+    fig = Figure(figsize=(2, 1))
+    fig.add_subplot().plot([0, 1])
+    png = ipython.display_formatter.formatters["image/png"]
+    assert png.lookup(fig)(fig).startswith(b"\x89PNG")
+    assert show_figures_inline(ipython) is False   # already set: a second load keeps it
+
+
 def test_connect_status_disconnect(ipython, local_workers, capsys):
     spec = ",".join(local_workers.addresses)
     with warnings.catch_warnings():

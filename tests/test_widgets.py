@@ -232,3 +232,15 @@ def test_a_change_on_32_stages_touches_only_what_changed(long_model, monkeypatch
     touched_rows = {w for w, _ in sent if any(w in b.children for b in rows.values())}
     assert touched_rows == {editor.rows.dropdowns["block.7"], editor.rows.names["block.7"]}
     assert len(sent) < 30, len(sent)
+
+
+def test_long_chains_scroll_inside_the_table_instead_of_squashing_rows(long_model):
+    """The browser test saw 32 rows squeezed into 460 px: rows keep their height, the table scrolls.
+
+    ipywidgets 8's Layout has ``overflow`` (``overflow_y`` is silently dropped), and flex items
+    shrink unless told not to.
+    """
+    editor = PlacementEditor(long_model, ["a", "b"])
+    table = editor.rows.widget.children[1]
+    assert table.layout.max_height == "460px" and table.layout.overflow == "auto"
+    assert all(box.layout.flex == "0 0 auto" for box in editor.rows.boxes.values())

@@ -253,8 +253,36 @@ class TfnbMagics(Magics):
             self.shell.user_ns[output] = prof
 
 
+def show_figures_inline(ipython) -> bool:
+    """Show matplotlib Figures (``prof.plot(...)``) as PNG images in notebook outputs.
+
+    tfnb draws its figures without pyplot, so IPython's inline backend, which is set up only
+    when pyplot is imported, never registers a PNG formatter for them and a returned Figure
+    prints as ``<Figure size 700x380 with 1 Axes>``. Registers one by name (matplotlib is not
+    imported) unless a formatter for Figures is already set (``%matplotlib inline``, the user's).
+    Returns whether it registered one.
+    """
+    png = ipython.display_formatter.formatters.get("image/png")
+    if png is None:
+        return False
+    try:
+        png.lookup_by_type("matplotlib.figure.Figure")
+        return False
+    except KeyError:
+        pass
+
+    def figure_png(fig):
+        from IPython.core.pylabtools import print_figure
+
+        return print_figure(fig, "png", bbox_inches="tight")
+
+    png.for_type_by_name("matplotlib.figure", "Figure", figure_png)
+    return True
+
+
 def load_ipython_extension(ipython) -> None:
     ipython.register_magics(TfnbMagics)
     from tfnb.notebook.stream import enable
 
     enable(ipython)  # live text for generate calls, in Jupyter kernels only
+    show_figures_inline(ipython)

@@ -42,7 +42,7 @@ def build(editor) -> None:
     planner_w = W.Dropdown(options=["optimal", "greedy", "memory"], description="planner",
                            layout=W.Layout(width="200px"))
     objective_w = W.ToggleButtons(options=["latency", "throughput"], description="objective",
-                                  style={"button_width": "90px"})
+                                  style={"button_width": "100px"})
     for w, name in ((mode_w, "mode"), (planner_w, "planner"), (objective_w, "objective")):
         link((editor, name), (w, "value"))
 

@@ -72,20 +72,21 @@ class StageRows:
         boxes = []
         for stage in chain:
             name = W.HTML(html.escape(stage.name), layout=W.Layout(width="150px"))
-            size = W.Label(f"{stage.param_bytes / 1e6:,.2f}", layout=W.Layout(width="80px"))
+            size = W.Label(f"{stage.param_bytes / 1e6:,.2f}", layout=W.Layout(width="90px"))
             pick = W.Dropdown(options=options, layout=W.Layout(width="200px"))
             pick.observe(partial(self._picked, stage.name), "value")
-            box = W.HBox([name, size, pick])
+            box = W.HBox([name, size, pick], layout=W.Layout(flex="0 0 auto"))  # no squashing
             box.add_class("tfnb-row")
             self.names[stage.name], self.dropdowns[stage.name], self.boxes[stage.name] = \
                 name, pick, box
             boxes.append(box)
         self._colors = colors
         head = W.HTML("<b>stage</b>", layout=W.Layout(width="150px"))
-        header = W.HBox([head, W.HTML("<b>params MB</b>", layout=W.Layout(width="80px")),
+        header = W.HBox([head, W.HTML("<b>params MB</b>", layout=W.Layout(width="90px")),
                          W.HTML("<b>device</b>")])
+        # Long chains scroll inside the table (ipywidgets 8 knows ``overflow``, not overflow_y).
         self.widget = W.VBox([header, W.VBox(boxes, layout=W.Layout(
-            max_height="460px", overflow_y="auto", flex_flow="column"))])
+            max_height="460px", overflow="auto", flex_flow="column"))])
 
     def _picked(self, stage: str, change) -> None:
         if not self._syncing:
