@@ -39,6 +39,13 @@ def split(cluster):
     return types.SimpleNamespace(chain=chain, x=x_BxH, w0=w0, w1=w1, vars=(k0, k1))
 
 
+def _with_targets(cluster, extra: dict):
+    """The connected cluster as the profiler sees it, plus ``extra`` {task: address} targets."""
+    return types.SimpleNamespace(
+        workers=cluster.workers + list(extra), connected=True, client_address=cluster.client_address,
+        spec=types.SimpleNamespace(addresses=cluster.spec.addresses + list(extra.values())))
+
+
 def test_known_split_bytes_busy_and_steps(split):
     t0 = time.perf_counter()
     with tfnb.profiler.profile(timeout=30) as prof:
@@ -169,9 +176,7 @@ def test_dead_silent_and_unprofiled_workers_give_a_partial_profile(cluster):
     extra = {"/job:gone/replica:0/task:0": dead,
              "/job:hung/replica:0/task:0": f"127.0.0.1:{silent.getsockname()[1]}",
              "/job:bare/replica:0/task:0": f"127.0.0.1:{bare_port}"}
-    view = types.SimpleNamespace(workers=cluster.workers + list(extra), connected=True,
-                                 spec=types.SimpleNamespace(addresses=cluster.spec.addresses + list(extra.values())),
-                                 client_address=cluster.client_address)
+    view = _with_targets(cluster, extra)
     try:
         t0 = time.monotonic()
         with tfnb.profiler.profile(view, timeout=2) as prof:
@@ -228,9 +233,7 @@ def test_worker_dying_or_hanging_while_its_trace_comes_in_gives_a_partial_profil
     (dying, dying_port), (hung, hung_port) = _fake_profiler(hang), _fake_profiler(hang)
     extra = {"/job:dies/replica:0/task:0": f"127.0.0.1:{dying_port}",
              "/job:hangs/replica:0/task:0": f"127.0.0.1:{hung_port}"}
-    view = types.SimpleNamespace(workers=cluster.workers + list(extra), connected=True,
-                                 spec=types.SimpleNamespace(addresses=cluster.spec.addresses + list(extra.values())),
-                                 client_address=cluster.client_address)
+    view = _with_targets(cluster, extra)
     try:
         t0 = time.monotonic()
         with tfnb.profiler.profile(view, timeout=3) as prof:

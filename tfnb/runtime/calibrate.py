@@ -14,8 +14,8 @@ measure a device's speed. So ``time_stages`` runs the runtime's compiled decode 
   timed alone stays in the last-level cache: probed, one SmolLM2 block (14 MB, 32 MB L3) ran at
   1.55 ms, eight in a row at 2.12 ms each;
 - each segment called ``steps`` times in a ``tf.while_loop`` on the device. A step costs
-  ``(t(1 + steps) - t(1)) / steps``, which removes the client's round trip. The best of
-  ``repeats`` counts.
+  ``(t(1 + steps) - t(1)) / steps``, which removes the client's round trip; the two calls
+  alternate ``repeats`` times and the best of each counts.
 
 The caches have ``slots`` slots (decode attends over all of them, masked), as in a generate
 call whose prompt and new tokens fit ``slots``.
@@ -71,7 +71,7 @@ def _timed_loop(decode, device: str, kind: str, config, batch: int):
 
 
 def time_stages(config, device: str, *, batch: int = 1, slots: int = 128, steps: int = 8,
-                repeats: int = 3, stream_bytes: float = 128e6, seed: int = 0) -> dict[str, float]:
+                repeats: int = 5, stream_bytes: float = 128e6, seed: int = 0) -> dict[str, float]:
     """Seconds per decode step of ``"embed"``, one ``"block"`` and ``"head"`` on ``device``.
 
     Parameters
@@ -121,15 +121,12 @@ def time_stages(config, device: str, *, batch: int = 1, slots: int = 128, steps:
         loop = _timed_loop(decode, device, kind, small, batch)
         with tf.device(device):
             loop(tf.constant(1)).numpy()  # trace + compile
-
-            def best(n):
-                times = []
-                for _ in range(repeats):
+            one = many = math.inf
+            for _ in range(repeats):  # alternated, so a burst of other work hits both alike
+                for n in (1, 1 + steps):
                     t0 = time.perf_counter()
                     loop(tf.constant(n)).numpy()
-                    times.append(time.perf_counter() - t0)
-                return min(times)
-
-            one, many = best(1), best(1 + steps)
+                    took = time.perf_counter() - t0
+                    one, many = (min(one, took), many) if n == 1 else (one, min(many, took))
         out[kind] = max(0.0, many - one) / steps / (k if kind == "block" else 1)
     return out

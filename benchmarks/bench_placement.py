@@ -1,0 +1,187 @@
+"""Planners on a real local cluster: SmolLM2-135M placed by each, measured, against predictions.
+
+For each scenario one local cluster is started and measured (``measure_topology`` + the stage
+calibration), then every planner plans for it, and so does a uniform split (stages evenly over
+the workers, in order). Each distinct plan is placed and timed, all in the same run and
+interleaved round by round (the machine is noisy), greedy, batch 1, EOS off:
+
+- **ms/token measured**: one decode step, ``(t(8 + n) - t(8)) / n`` over two ``generate_ids``
+  calls of 8 and 8 + ``n`` new tokens (best of ``--repeat``), so prefill and the client's call
+  cost cancel out;
+- **tokens/s**: ``n`` new tokens over a whole ``n``-token call (prefill included), best of
+  ``--repeat``;
+- **ms/token predicted**: the plan's own prediction (``plan.prediction.latency_s``), for the
+  cache size the calls use.
+
+Scenarios: two local workers without a memory cap (the model fits one); capped at 400 MB each
+(so the model must be split); and capped, with each worker pinned to its own core
+(``tfnb.local(2, cpus=["0", "1"])``), as separate machines would be: workers sharing cores slow
+each other down when both hold part of the model, which the cost model does not describe. Writes ``benchmarks/results/placement.md`` and ``.json``.
+
+Run::
+
+    python benchmarks/bench_placement.py [--new 48] [--repeat 3] [--scenarios nocap equal pinned]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+PROMPT = "Name three colours of the rainbow."
+SCENARIOS = {
+    "nocap": ("2 workers sharing the 2 cores, no memory cap", None, None),
+    "equal": ("2 workers sharing the 2 cores, 400 MB each", None, "400MB"),
+    "pinned": ("2 workers, one core each (cpus=['0', '1']), 400 MB each", ["0", "1"], "400MB"),
+}
+PLANNERS = [("memory", "latency"), ("greedy", "latency"), ("optimal", "latency"),
+            ("optimal", "throughput")]
+
+
+def _plans(tfnb, model, cluster, cap, context_len):
+    from tfnb.errors import PlacementError
+    from tfnb.placement import Plan
+    from tfnb.placement.planners import as_topology
+    from tfnb.runtime.devices import even_split
+
+    rows = []
+    for mode, objective in PLANNERS:
+        name = f"{mode}/{objective}" if mode == "optimal" else mode
+        try:
+            p = tfnb.plan(model, cluster, mode=mode, objective=objective, max_memory=cap,
+                          context_len=context_len)
+            rows.append({"planner": name, "plan": p})
+        except PlacementError as e:
+            rows.append({"planner": name, "error": str(e)})
+    topo = as_topology(cluster, model, 1, context_len).with_max_memory(cap)
+    uniform = even_split(model.chain.names, list(cluster.devices))
+    rows.append({"planner": "uniform split", "plan": Plan.from_assignment(
+        model.chain, uniform, topo, 1, context_len, "manual", "latency")})
+    return rows, topo
+
+
+def run_scenario(key: str, new: int, repeat: int) -> dict:
+    import tfnb
+    from tfnb.placement.cost import short_device
+
+    title, cpus, cap = SCENARIOS[key]
+    model = tfnb.load_model("smollm2", progress=False)
+    ids = model.tokenizer.encode(model.tokenizer.apply_chat_template(
+        [{"role": "user", "content": PROMPT}]))
+    context_len = len(ids) + 8 + new  # the longest call below: the plans price its cache
+    cluster = tfnb.local(2, cpus=cpus)
+    try:
+        t0 = time.perf_counter()
+        rows, topo = _plans(tfnb, model, cluster, cap, context_len)
+        measure_s = time.perf_counter() - t0
+        placed = {}  # assignment key -> PlacedModel, each distinct plan placed once
+        for r in rows:
+            if "plan" in r:
+                k = tuple(sorted(r["plan"].assignment.items()))
+                if k not in placed:
+                    pm = tfnb.place(model, r["plan"], cluster, timeout=600)
+                    pm.eos_ids = ()
+                    for n in (8, 8 + new, new):  # compile and warm up every length used
+                        pm.generate_ids([ids], max_new_tokens=n)
+                    placed[k] = pm
+                r["key"] = k
+        timings = {k: {"short": [], "long": [], "whole": []} for k in placed}
+        for _ in range(repeat):
+            for k, pm in placed.items():
+                for what, n in (("short", 8), ("long", 8 + new), ("whole", new)):
+                    t = time.perf_counter()
+                    pm.generate_ids([ids], max_new_tokens=n)
+                    timings[k][what].append(time.perf_counter() - t)
+        for r in rows:
+            if "plan" not in r:
+                continue
+            t = {w: min(v) for w, v in timings[r["key"]].items()}
+            p = r.pop("plan")
+            r.pop("key")
+            segs = p.segments()
+            r.update({
+                "segments": " | ".join(f"{short_device(s.device)}: {s.stages[0]}..{s.stages[-1]}"
+                                       for s in segs),
+                "predicted_ms": p.prediction.latency_s * 1e3,
+                "measured_ms": (t["long"] - t["short"]) / new * 1e3,
+                "tokens_per_s": new / t["whole"],
+                "bytes_per_token": p.prediction.bytes_per_token,
+            })
+            r["error_pct"] = (r["predicted_ms"] / r["measured_ms"] - 1) * 100
+        stage_ms = {short_device(d): {s: topo.stage_times[(s, d)] * 1e3
+                                      for s in ("embed", "block.0", "head")}
+                    for d in topo.devices}
+        return {"scenario": key, "title": title, "rows": rows, "measure_s": measure_s,
+                "stage_ms": stage_ms, "prompt_tokens": len(ids), "new_tokens": new}
+    finally:
+        cluster.stop()
+
+
+def markdown(results: list[dict], when: str, machine: str) -> str:
+    lines = ["# Planners on a real local cluster: SmolLM2-135M, measured", "",
+             f"{machine}; {when}. Greedy, batch 1, EOS off; plans, placements and timings of one "
+             "scenario in one run, interleaved, best of the rounds. ms/token: one decode step "
+             "(a call of 8 + n tokens minus one of 8, over n); tokens/s: n new tokens over a "
+             "whole call (prefill included); predicted: the plan's own figure, from the "
+             "measured topology and stage times.", ""]
+    for res in results:
+        times = "; ".join(f"{d}: embed {v['embed']:.3f}, block {v['block.0']:.2f}, head "
+                          f"{v['head']:.2f} ms" for d, v in res["stage_ms"].items())
+        lines += [f"## {res['title']}", "",
+                  f"Measuring the cluster and calibrating the stages took {res['measure_s']:.0f} "
+                  f"s (stage times: {times}). n = {res['new_tokens']}.", "",
+                  "| planner | segments | predicted ms/token | measured ms/token | error | "
+                  "tokens/s | B/token crossing |", "|---|---|---:|---:|---:|---:|---:|"]
+        for r in res["rows"]:
+            if "error" in r:
+                lines.append(f"| {r['planner']} | refused: {r['error'][:100]} | | | | | |")
+                continue
+            lines.append(f"| {r['planner']} | {r['segments']} | {r['predicted_ms']:.1f} | "
+                         f"{r['measured_ms']:.1f} | {r['error_pct']:+.0f}% | "
+                         f"{r['tokens_per_s']:.1f} | {r['bytes_per_token']:,.0f} |")
+        ok = [r for r in res["rows"] if "error" not in r]
+        opt = next(r for r in ok if r["planner"] == "optimal/latency")
+        others = [r for r in ok if r is not opt]
+        worst = max(abs(r["error_pct"]) for r in ok)
+        beaten = [r["planner"] for r in others if r["tokens_per_s"] > opt["tokens_per_s"] * 1.02]
+        lines += ["", f"optimal/latency: {opt['tokens_per_s']:.1f} tokens/s; "
+                  + ("at least every other plan's (within 2%)" if not beaten else
+                     f"beaten by more than 2% by {', '.join(beaten)}")
+                  + f"; largest prediction error {worst:.0f}%.", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--new", type=int, default=48)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
+    a = ap.parse_args(argv)
+    from tfnb.bench import machine
+    from tfnb.cluster.security import ExposedServerWarning
+
+    warnings.simplefilter("ignore", ExposedServerWarning)
+    results = []
+    for key in a.scenarios:
+        print(f"[placement] {SCENARIOS[key][0]} ...", flush=True)
+        results.append(run_scenario(key, a.new, a.repeat))
+    text = markdown(results, time.strftime("%Y-%m-%d %H:%M"), machine())
+    out = os.path.join(os.path.dirname(__file__), "results")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "placement.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(out, "placement.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
