@@ -27,19 +27,13 @@ import dataclasses
 import math
 import time
 
-import numpy as np
 import tensorflow as tf
 
+from tfnb.models.chain import llama_chain
+from tfnb.models.llama import random_weights
 from tfnb.runtime.placed import PlacedModel, Segment, _segment_functions
 
 __all__ = ["time_stages"]
-
-
-def _random_weights(config, rng) -> dict[str, np.ndarray]:
-    """Weights of ``config``'s shapes (values do not change the time)."""
-    from tfnb.models.llama import random_weights
-
-    return random_weights(config, seed=int(rng.integers(1 << 30)))
 
 
 def _timed_loop(decode, device: str, kind: str, config, batch: int):
@@ -89,16 +83,12 @@ def time_stages(config, device: str, *, batch: int = 1, slots: int = 128, steps:
     >>> sorted(t), all(v >= 0 for v in t.values())
     (['block', 'embed', 'head'], True)
     """
-    block_bytes = 4 * (2 * config.hidden_size
-                       + config.hidden_size * (config.n_heads + 2 * config.n_kv_heads)
-                       * config.head_dim
-                       + config.n_heads * config.head_dim * config.hidden_size
-                       + 3 * config.hidden_size * config.ffn_size)
+    block_bytes = llama_chain(config)["block.0"].param_bytes
     k = max(1, min(config.n_layers, math.ceil(stream_bytes / block_bytes)))
     small = dataclasses.replace(config, n_layers=k)
-    rng = np.random.default_rng(seed)
     names = ["embed"] + [f"block.{i}" for i in range(k)] + ["head"]
-    pm = PlacedModel(small, _random_weights(small, rng), None, dict.fromkeys(names, device),
+    # random values of the real shapes: the time does not depend on them
+    pm = PlacedModel(small, random_weights(small, seed), None, dict.fromkeys(names, device),
                      timeout=None)
     params = pm.params[0]
     shape = [batch, small.n_kv_heads, slots, small.head_dim]
