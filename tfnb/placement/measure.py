@@ -14,7 +14,6 @@
   CPU device whose worker does not say is a kind of its own.
 - **memory**: from ``cluster.status()``: an accelerator's free memory (or TF's limit); for CPU
   devices the host's available RAM, divided among the workers that share that host.
-
 - **stage times** (``calibrate``): seconds per decode step of each stage of a llama model on
   one device of each class (:mod:`tfnb.runtime.calibrate`), the same for the device's twins.
 
@@ -234,8 +233,8 @@ def calibrate(model, cluster, topology: Topology | None = None, *, batch: int = 
     config = model.config
     topology = topology or measure_topology(cluster)
     slots = bucket(max(1, context_len), 64, maximum=max(64, config.max_context))
-    key = ("stages", _cluster_key(cluster, topology.devices), getattr(model, "name", None), repr(config), batch,
-           slots)
+    key = ("stages", _cluster_key(cluster, topology.devices), getattr(model, "name", None),
+           repr(config), batch, slots)
     if refresh or key not in _CACHE:
         times = {}
         for members in topology.classes():
