@@ -26,7 +26,6 @@ Run::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -165,6 +164,7 @@ def main(argv=None) -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
     a = ap.parse_args(argv)
+    from _results import write_results
     from tfnb.bench import machine
     from tfnb.cluster.security import ExposedServerWarning
 
@@ -174,12 +174,7 @@ def main(argv=None) -> None:
         print(f"[placement] {SCENARIOS[key][0]} ...", flush=True)
         results.append(run_scenario(key, a.new, a.repeat))
     text = markdown(results, time.strftime("%Y-%m-%d %H:%M"), machine())
-    out = os.path.join(os.path.dirname(__file__), "results")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "placement.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(out, "placement.json"), "w") as f:
-        json.dump(results, f, indent=1)
+    write_results("placement", text, results)
     print(text)
 
 

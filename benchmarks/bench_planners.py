@@ -11,7 +11,6 @@ Run::
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -20,6 +19,7 @@ import warnings
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from _results import write_results  # noqa: E402
 from tfnb.errors import PlacementError  # noqa: E402
 from tfnb.models import LayerChain, Stage  # noqa: E402
 from tfnb.placement import Topology, plan  # noqa: E402
@@ -158,13 +158,8 @@ def main():
                 result = f"refused: {str(e)[:80]}"
             results["scale"].append({"case": case, "objective": objective,
                                      "seconds": time.perf_counter() - start, "result": result})
-    out = os.path.join(os.path.dirname(__file__), "results")
-    os.makedirs(out, exist_ok=True)
     text = markdown(results)
-    with open(os.path.join(out, "planners.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(out, "planners.json"), "w") as f:
-        json.dump(results, f, indent=1)
+    write_results("planners", text, results)
     print(text)
 
 

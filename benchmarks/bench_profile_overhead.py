@@ -24,7 +24,6 @@ Run::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -142,11 +141,9 @@ def main(argv=None) -> dict:
         cluster.stop()
     md = to_markdown(res)
     print(md)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "profile_overhead.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    with open(os.path.join(args.out, "profile_overhead.md"), "w") as f:
-        f.write(md)
+    from _results import write_results
+
+    write_results("profile_overhead", md, res, args.out)
     return res
 
 
