@@ -4,9 +4,29 @@ import os
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import faulthandler  # noqa: E402
 import warnings  # noqa: E402
 
 import pytest  # noqa: E402
+
+# pytest-timeout (600 s, pyproject) fails a test from a Python signal handler, which cannot run
+# while a C call holds the GIL; TF's set_server_def can hang that way. This watchdog runs in C:
+# past its limit it prints every thread's stack to the real stderr and ends the run, so a hang
+# costs one test's limit, not the whole CI budget.
+WATCHDOG_S = float(os.environ.get("TFNB_TEST_WATCHDOG_S", 900))
+
+
+def pytest_configure(config):
+    config._tfnb_stderr = os.fdopen(os.dup(2), "w")  # before output capture replaces fd 2
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True, file=item.config._tfnb_stderr)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture(scope="session")
