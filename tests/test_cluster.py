@@ -186,6 +186,20 @@ def test_a_new_cluster_connects_after_an_op_failed_on_a_killed_worker():
     assert res.returncode == 0 and "connected" in res.stdout, res.stderr[-2000:]
 
 
+def test_workers_pinned_to_one_cpu_each_generate():
+    from tfnb.models import tiny
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        c = tfnb.local(2, cpus=["0", "0"])  # one inter-op thread each by TF's default
+    try:
+        placed = tfnb.place(tiny("llama"), c.devices, c, timeout=60.0)
+        placed.eos_ids = ()
+        assert len(placed.generate_ids("hello", max_new_tokens=6)) == 6
+    finally:
+        c.stop()
+
+
 _PARENT = """
 import sys, time
 from tfnb.cluster import LocalCluster

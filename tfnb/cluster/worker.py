@@ -142,8 +142,14 @@ def serve(cluster: str, job: str, task: int, *, profiler_port: int | None = None
     address = jobs[job][task]
     _, port = split_address(address)
     try:
+        # At least 4 inter-op threads, even on one CPU: remote ops arrive as unary Enqueue RPCs
+        # (see tfnb.cluster.connect), whose handler waits on that pool. Probed: two workers
+        # pinned to one CPU each (1 thread, TF's default there) deadlocked on their first
+        # split generate; with 4 they run. Compute still uses the pinned CPUs' intra-op threads.
+        config = tf.compat.v1.ConfigProto(
+            inter_op_parallelism_threads=max(4, len(os.sched_getaffinity(0))))
         server = tf.distribute.Server(tf.train.ClusterSpec(jobs), job_name=job, task_index=task,
-                                      protocol="grpc", start=True)
+                                      protocol="grpc", config=config, start=True)
     except (tf.errors.OpError, RuntimeError, ValueError) as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         print(f"tfnb worker: cannot start the TF server on port {port}: {msg}", file=sys.stderr)
