@@ -142,10 +142,11 @@ def serve(cluster: str, job: str, task: int, *, profiler_port: int | None = None
     address = jobs[job][task]
     _, port = split_address(address)
     try:
-        # At least 4 inter-op threads, even on one CPU: remote ops arrive as unary Enqueue RPCs
-        # (see tfnb.cluster.connect), whose handler waits on that pool. Probed: two workers
-        # pinned to one CPU each (1 thread, TF's default there) deadlocked on their first
-        # split generate; with 4 they run. Compute still uses the pinned CPUs' intra-op threads.
+        # At least 4 inter-op threads, even on one CPU. Remote ops arrive as unary Enqueue RPCs
+        # (see tfnb.cluster.connect). Probed: two workers pinned to one CPU each (1 inter-op
+        # thread, TF's default there) deadlocked on their first split generate, and with 4 they
+        # run; a unary handler seemingly waits on that pool for work queued on it. Compute still
+        # uses the pinned CPUs' intra-op threads.
         config = tf.compat.v1.ConfigProto(
             inter_op_parallelism_threads=max(4, len(os.sched_getaffinity(0))))
         server = tf.distribute.Server(tf.train.ClusterSpec(jobs), job_name=job, task_index=task,
