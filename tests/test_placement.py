@@ -98,6 +98,32 @@ def test_optimal_matches_brute_force(objective):
     assert checked >= 25 and infeasible >= 1  # both outcomes were exercised
 
 
+def test_equally_fast_splits_go_to_the_most_even_one():
+    # Two equal devices, a chain too big for one: every split predicts the same latency, the
+    # memory planner's fill-first split included. optimal/latency returns the split whose
+    # slowest segment is fastest, which brute force confirms, without losing any latency.
+    stages = [Stage("embed", "embed", 4 * MB, 0, 4096, 0)]
+    stages += [Stage(f"b{k}", "block", 4 * MB, 10**7, 4096, 0) for k in range(8)]
+    stages += [Stage("head", "head", 4 * MB, 4 * 10**7, 4096, 0)]
+    chain = LayerChain(stages)
+    topo = Topology(["a", "b"], memory=[32 * MB] * 2, flops=[1e9] * 2,
+                    latency=np.array([[0, 1e-4], [1e-4, 0]]))
+    plans = []
+    for cut in range(1, len(chain)):
+        a = {s: ("a" if k < cut else "b") for k, s in enumerate(chain.names)}
+        p = predict(chain, a, topo, 1, 16)
+        if not p.over_memory():
+            plans.append(p)
+    assert len(plans) >= 3  # several splits fit, at one latency
+    fastest = min(p.latency_s for p in plans)
+    assert all(p.latency_s == pytest.approx(fastest, rel=1e-12) for p in plans)
+    got = plan(chain, topo, objective="latency", context_len=16).prediction
+    fill = plan(chain, topo, mode="memory", context_len=16).prediction
+    assert got.latency_s == pytest.approx(fastest, rel=1e-12)
+    assert got.bottleneck_s == pytest.approx(min(p.bottleneck_s for p in plans), rel=1e-12)
+    assert got.bottleneck_s < fill.bottleneck_s  # not the fill-first split it ties with
+
+
 def test_interchangeable_devices_are_grouped():
     lat = np.array([[0, 1e-4, 1e-3], [1e-4, 0, 1e-3], [1e-3, 1e-3, 0]])
     topo = Topology(["a", "b", "c"], memory="1MB", latency=lat)

@@ -11,6 +11,9 @@ order of devices), ``optimal_assignment`` returns one that minimises the objecti
 - ``"latency"``: stage times + hop times + the token-id hop from the last device to the first;
 - ``"throughput"``: the slowest resource, i.e. the largest segment time or hop time.
 
+Of latency-optimal plans it returns the most even one (least sum of squared segment times;
+see ``TIE``): with two devices, the one whose slowest segment is fastest.
+
 Assignments that revisit a device (A -> B -> A) are outside the claim; the tests compare
 against brute force over every assignment of up to 7 stages onto up to 4 devices, restricted
 to the claim's form.
@@ -47,6 +50,15 @@ from tfnb.errors import PlacementError
 from tfnb.placement.cost import TOKEN_BYTES, Topology, stage_memory
 
 __all__ = ["optimal_segments", "exact_is_feasible", "TooLarge"]
+
+
+# Ties. For latency, every split of a chain over equal devices costs the same: the segment
+# times add up alike. Each segment then also pays TIE / total x its squared time, a sum that is
+# least for the most even split, so of equally fast plans the one with the smallest slowest
+# stage (the better pipeline when requests overlap, and the most even memory) is returned. The
+# charge is at most TIE of the objective: below the 1e-9 the search and its tests compare at,
+# far above float rounding (~1e-15).
+TIE = 1e-11
 
 
 class TooLarge(PlacementError):
@@ -88,15 +100,17 @@ def _tables(chain, topo: Topology, classes, batch: int, context_len: int):
     return T, P, lo, hop, ret
 
 
-def _bands(P, lo, d: int, N: int):
-    """Candidate segment starts ``i = j - 1 - k`` for every end ``j``, and their costs on ``d``."""
+def _bands(P, lo, d: int, N: int, tie: float = 0.0):
+    """Candidate segment starts ``i = j - 1 - k`` for every end ``j``, and their costs on ``d``
+    (plus ``tie`` x the squared segment time, see ``TIE``)."""
     j = np.arange(N + 1)
     start = np.maximum(lo[d], 1)
     width = max(1, int((j - start).max(initial=0)))
     i = j[None, :] - 1 - np.arange(width)[:, None]                     # (W, N+1)
     valid = (i >= start[None, :]) & (i >= 1)
     i = np.clip(i, 0, N)
-    seg = np.where(valid, P[d][None, :] - P[d][i], np.inf)
+    seg = P[d][None, :] - P[d][i]
+    seg = np.where(valid, seg + tie * seg * seg, np.inf)
     return i, valid, seg
 
 
@@ -124,6 +138,7 @@ def optimal_segments(chain, topo: Topology, batch: int, context_len: int,
     K, N = len(classes), len(chain)
     sizes = np.array([len(c) for c in classes])
     T, P, lo, hop, ret = _tables(chain, topo, classes, batch, context_len)
+    tie = TIE / max(float(P[:, N].max()), 1e-30) if objective == "latency" else 0.0
     need = np.asarray(stage_memory(chain, batch, context_len), dtype=float)
     left = need[::-1].cumsum()[::-1]                       # bytes of stages k.. N-1
     left = np.append(left, 0.0)
@@ -151,7 +166,7 @@ def optimal_segments(chain, topo: Topology, batch: int, context_len: int,
         F[~np.isfinite(b) | (add(F, b) > limit)] = np.inf
         return F
 
-    bands = [_bands(P, lo, d, N) for d in range(K)]
+    bands = [_bands(P, lo, d, N, tie) for d in range(K)]
     width = max(b[0].shape[0] for b in bands)
     pad = [((0, width - b[0].shape[0]), (0, 0)) for b in bands]
     # (d, j, W): the candidate starts of a segment ending at j, last axis contiguous for min()
@@ -162,7 +177,7 @@ def optimal_segments(chain, topo: Topology, batch: int, context_len: int,
     level = {}
     for f in range(K):
         F = np.full((K, K, N + 1), np.inf)
-        F[f, f, 1:] = np.where(lo[f, 1:] == 0, P[f, 1:], np.inf)
+        F[f, f, 1:] = np.where(lo[f, 1:] == 0, P[f, 1:] + tie * P[f, 1:] ** 2, np.inf)
         if np.isfinite(prune(F, unit[f])).any():
             level[unit[f]] = F
     table: dict = dict(level)   # every state's F, to trace the best plan back at the end

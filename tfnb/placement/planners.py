@@ -227,7 +227,8 @@ def optimal_assignment(chain, topo: Topology, batch: int = 1, context_len: int =
             f"no split of the {len(chain)} stages into contiguous runs, one per device, fits "
             f"the memory caps ({_mb(sum(stage_memory(chain, batch, context_len)))} needed, "
             f"{_mb(float(topo.memory.sum()))} in all; stages are never split)")
-    return min(candidates, key=lambda c: c[0])[1]  # ties: the pipeline found
+    least = min(v for v, _ in candidates)  # ties (within float rounding): the pipeline found,
+    return next(a for v, a in candidates if v <= least * (1 + 1e-9))  # the most even of them
 
 
 def plan(model_or_chain, cluster_or_topology, mode: str = "optimal", objective: str = "latency",
