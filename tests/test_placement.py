@@ -2,6 +2,7 @@
 import itertools
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -308,6 +309,49 @@ def test_workers_on_different_cpus_are_different_kinds():
         assert len(topo.classes()) == 2
     finally:
         c.stop()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2,
+                    reason="needs 2 CPUs: one worker per CPU, a busy process sharing the first")
+def test_a_worker_slowed_by_other_work_gets_its_own_stage_times():
+    # Both workers are one kind by description (one CPU each, one host); a spinning process
+    # shares worker 0's CPU. Calibration finds worker 0 slower, so the planner stops treating
+    # the two as twins and keeps the model on worker 1, where the fill-first baseline does not.
+    import subprocess
+    import sys
+    import warnings
+
+    import tfnb
+    from tfnb.cluster.security import ExposedServerWarning
+    from tfnb.models import Model
+    from tfnb.models.llama import random_weights, tiny_config
+    from tfnb.models.tokenizer import CharTokenizer
+    from tfnb.placement.planners import as_topology
+
+    config = tiny_config(vocab_size=256, hidden_size=512, ffn_size=1536, n_layers=8, n_heads=8,
+                         n_kv_heads=4)
+    model = Model("mid-llama", "llama", config, CharTokenizer(256), random_weights(config, 0))
+    a, b = sorted(os.sched_getaffinity(0))[:2]
+    spin = subprocess.Popen([sys.executable, "-c",
+                             f"import os\nos.sched_setaffinity(0, {{{a}}})\nwhile True: pass"])
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ExposedServerWarning)
+            c = tfnb.local(2, cpus=[str(a), str(b)])
+        try:
+            d0, d1 = c.devices
+            topo = as_topology(c, model, 1, 64)
+            slow, fast = (sum(topo.stage_times[(s, d)] for s in model.chain.names)
+                          for d in (d0, d1))
+            assert slow > fast * 1.3, (slow, fast)
+            assert len(topo.classes()) == 2
+            assert set(plan(model, c, context_len=64).assignment.values()) == {d1}
+            assert set(plan(model, c, mode="memory", context_len=64).assignment.values()) == {d0}
+        finally:
+            c.stop()
+    finally:
+        spin.kill()
+        spin.wait()
 
 
 def test_optimal_falls_back_to_a_beam_search_when_every_device_differs():

@@ -15,7 +15,14 @@
 - **memory**: from ``cluster.status()``: an accelerator's free memory (or TF's limit); for CPU
   devices the host's available RAM, divided among the workers that share that host.
 - **stage times** (``calibrate``): seconds per decode step of each stage of a llama model on
-  one device of each class (:mod:`tfnb.runtime.calibrate`), the same for the device's twins.
+  every device (:mod:`tfnb.runtime.calibrate`). Twins by description (one kind, above) whose
+  times for the whole model are alike (within ``ALIKE``, or 1 ms) get their average, so they stay
+  interchangeable; a twin that is slower than that (its machine busy with other work) gets its
+  own times and becomes a class of its own. Probed on the 2-core machine, two workers pinned to
+  one core each, a spinning process sharing worker 0's core: the matrix products above still
+  measured worker 0 as fast as worker 1 (44-60 against 33-55 GFLOP/s: they are short enough to
+  run while the spinner is preempted), while a SmolLM2 block decoded in 1.78 ms on worker 0
+  against 1.0 ms on worker 1.
 
 The whole measurement stops starting new work after ``budget_s`` seconds; pairs not measured by
 then get the slowest measured link (a warning says how many). Results are cached per cluster
@@ -35,6 +42,7 @@ from tfnb.placement.cost import Topology
 __all__ = ["measure_topology", "calibrate", "clear_cache"]
 
 _CACHE: dict = {}
+ALIKE = 1.3  # whole-model times within this ratio (or 1 ms): the same kind of device, averaged
 
 
 def clear_cache() -> None:
@@ -218,8 +226,8 @@ def _cluster_key(cluster, devices) -> tuple:
 def calibrate(model, cluster, topology: Topology | None = None, *, batch: int = 1,
               context_len: int = 1024, refresh: bool = False) -> dict:
     """``{(stage, device): seconds per decode step}`` for every stage of ``model`` on every
-    device of ``cluster``, timed on one device per class of interchangeable devices (cached per
-    cluster, model, batch and cache size).
+    device of ``cluster``, timed on each device; devices of one class whose times are alike
+    (within ``ALIKE``) share their average (cached per cluster, model, batch and cache size).
 
     Examples
     --------
@@ -238,10 +246,32 @@ def calibrate(model, cluster, topology: Topology | None = None, *, batch: int = 
     if refresh or key not in _CACHE:
         times = {}
         for members in topology.classes():
-            per = time_stages(config, topology.devices[members[0]], batch=batch, slots=slots)
-            for d in members:
-                dev = topology.devices[d]
-                times[("embed", dev)], times[("head", dev)] = per["embed"], per["head"]
-                times.update({(f"block.{i}", dev): per["block"] for i in range(config.n_layers)})
+            devs = [topology.devices[d] for d in members]
+            timed = {dev: time_stages(config, dev, batch=batch, slots=slots) for dev in devs}
+            for group in _alike(timed, config.n_layers):
+                per = {k: float(np.mean([timed[dev][k] for dev in group])) for k in timed[devs[0]]}
+                for dev in group:
+                    times[("embed", dev)], times[("head", dev)] = per["embed"], per["head"]
+                    times.update({(f"block.{i}", dev): per["block"]
+                                  for i in range(config.n_layers)})
         _CACHE[key] = times
     return _CACHE[key]
+
+
+def _alike(timed: dict, n_layers: int) -> list[list]:
+    """Devices grouped by the time of a whole model's decode step, fastest first; a group spans
+    at most ``ALIKE`` or 1 ms (tiny models' times are mostly noise).
+
+    >>> ms = lambda b: {"embed": 0.0, "block": b * 1e-3, "head": 6e-3}
+    >>> _alike({"a": ms(1.0), "b": ms(1.78), "c": ms(1.1)}, 30)
+    [['a', 'c'], ['b']]
+    """
+    total = {d: t["embed"] + n_layers * t["block"] + t["head"] for d, t in timed.items()}
+    groups: list[list] = []
+    for dev in sorted(timed, key=total.__getitem__):
+        first = total[groups[-1][0]] if groups else None
+        if first is not None and (total[dev] <= first * ALIKE or total[dev] - first <= 1e-3):
+            groups[-1].append(dev)
+        else:
+            groups.append([dev])
+    return groups
