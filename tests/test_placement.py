@@ -283,7 +283,7 @@ def test_plan_times_each_stage_on_the_cluster_once(cluster):
     assert all(t >= 0 for t in topo.stage_times.values())
     assert sum(topo.stage_times.values()) > 0
     # the two workers are one kind and time alike (a tiny model's times are mostly noise,
-    # well within 1 ms): each is timed, and they share the best figures
+    # well within 1 ms): each is timed, and they share the mean
     assert topo.stage_times[("block.1", d0)] == topo.stage_times[("block.1", d1)]
     assert as_topology(cluster, model, 1, 16).stage_times == topo.stage_times  # cached
     p = plan(model, cluster, context_len=16)

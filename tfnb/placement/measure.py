@@ -16,8 +16,8 @@
   devices the host's available RAM, divided among the workers that share that host.
 - **stage times** (``calibrate``): seconds per decode step of each stage of a llama model on
   every device (:mod:`tfnb.runtime.calibrate`). Twins by description (one kind, above) whose
-  times for the whole model are alike (within ``ALIKE``, or 1 ms) share the best of their
-  figures (noise only ever slows a run down), so they stay interchangeable; a twin that is slower than that (its machine busy with other work) gets its
+  times for the whole model are alike (within ``ALIKE``, or 1 ms) share the mean of their
+  figures, so they stay interchangeable; a twin that is slower than that (its machine busy with other work) gets its
   own times and becomes a class of its own. Probed on the 2-core machine, two workers pinned to
   one core each, a spinning process sharing worker 0's core: the matrix products above still
   measured worker 0 as fast as worker 1 (44-60 against 33-55 GFLOP/s: they are short enough to
@@ -42,7 +42,7 @@ from tfnb.placement.cost import Topology
 __all__ = ["measure_topology", "calibrate", "clear_cache"]
 
 _CACHE: dict = {}
-ALIKE = 1.3  # whole-model times within this ratio (or 1 ms): the same kind, best figures shared
+ALIKE = 1.3  # whole-model times within this ratio (or 1 ms): the same kind, figures averaged
 
 
 def clear_cache() -> None:
@@ -227,7 +227,7 @@ def calibrate(model, cluster, topology: Topology | None = None, *, batch: int = 
               context_len: int = 1024, refresh: bool = False) -> dict:
     """``{(stage, device): seconds per decode step}`` for every stage of ``model`` on every
     device of ``cluster``, timed on each device; devices of one class whose times are alike
-    (within ``ALIKE``) share the best of their figures (cached per cluster, model, batch and
+    (within ``ALIKE``) share the mean of their figures (cached per cluster, model, batch and
     cache size).
 
     Examples
@@ -250,7 +250,9 @@ def calibrate(model, cluster, topology: Topology | None = None, *, batch: int = 
             devs = [topology.devices[d] for d in members]
             timed = {dev: time_stages(config, dev, batch=batch, slots=slots) for dev in devs}
             for group in _alike(timed, config.n_layers):
-                per = {k: min(timed[dev][k] for dev in group) for k in timed[devs[0]]}
+                # the mean: one calibration's best of 7 still differs from the next by up to
+                # +-10% (a SmolLM2 block: 0.76-0.92 ms, probed); averaging narrows that
+                per = {k: float(np.mean([timed[dev][k] for dev in group])) for k in timed[devs[0]]}
                 for dev in group:
                     times[("embed", dev)], times[("head", dev)] = per["embed"], per["head"]
                     times.update({(f"block.{i}", dev): per["block"]
