@@ -17,12 +17,12 @@
 - **stage times** (``calibrate``): seconds per decode step of each stage of a llama model on
   every device (:mod:`tfnb.runtime.calibrate`). Twins by description (one kind, above) whose
   times for the whole model are alike (within ``ALIKE``, or 1 ms) share the mean of their
-  figures, so they stay interchangeable; a twin that is slower than that (its machine busy with other work) gets its
-  own times and becomes a class of its own. Probed on the 2-core machine, two workers pinned to
-  one core each, a spinning process sharing worker 0's core: the matrix products above still
-  measured worker 0 as fast as worker 1 (44-60 against 33-55 GFLOP/s: they are short enough to
-  run while the spinner is preempted), while a SmolLM2 block decoded in 1.78 ms on worker 0
-  against 1.0 ms on worker 1.
+  figures, so they stay interchangeable; a twin slower than that (its machine busy with other
+  work) keeps its own times and becomes a class of its own. Probed on the 2-core machine, two
+  workers pinned to one core each, a spinning process sharing worker 0's core: the matrix
+  products above still measured worker 0 as fast as worker 1 (44-60 against 33-55 GFLOP/s:
+  they are short enough to run while the spinner is preempted), while a SmolLM2 block decoded
+  in 1.78 ms on worker 0 against 1.0 ms on worker 1.
 
 The whole measurement stops starting new work after ``budget_s`` seconds; pairs not measured by
 then get the slowest measured link (a warning says how many). Results are cached per cluster
@@ -272,8 +272,8 @@ def _alike(timed: dict, n_layers: int) -> list[list]:
     total = {d: t["embed"] + n_layers * t["block"] + t["head"] for d, t in timed.items()}
     groups: list[list] = []
     for dev in sorted(timed, key=total.__getitem__):
-        first = total[groups[-1][0]] if groups else None
-        if first is not None and (total[dev] <= first * ALIKE or total[dev] - first <= 1e-3):
+        lead = total[groups[-1][0]] if groups else -math.inf  # the group's fastest
+        if total[dev] <= max(lead * ALIKE, lead + 1e-3):
             groups[-1].append(dev)
         else:
             groups.append([dev])
