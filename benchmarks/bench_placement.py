@@ -202,10 +202,10 @@ def markdown(results: list[dict], when: str, machine: str) -> str:
                          f"{r['tokens_per_s']:.1f} | {vs} | {r['bytes_per_token']:,.0f} |")
         ok = [r for r in res["rows"] if "error" not in r]
         opt = next(r for r in ok if r["planner"] == REFERENCE)
-        calls = {verdict(r["vs_optimal"]): [] for r in ok if r is not opt}
+        calls: dict = {}  # verdict -> planners, in table order
         for r in ok:
             if r is not opt:
-                calls[verdict(r["vs_optimal"])].append(r["planner"])
+                calls.setdefault(verdict(r["vs_optimal"]), []).append(r["planner"])
         worst = max(abs(r["error_pct"]) for r in ok)
         lines += ["", f"{REFERENCE}: {opt['tokens_per_s']:.1f} tokens/s; "
                   + ("; ".join(f"{k}: {', '.join(v)}" for k, v in calls.items())
