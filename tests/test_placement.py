@@ -295,6 +295,30 @@ def test_plan_times_each_stage_on_the_cluster_once(cluster):
     assert as_topology(cluster).stage_times == {}   # without a model: FLOP estimates
 
 
+def test_calibration_counts_the_typical_step_not_the_luckiest():
+    # A timed call lasts a fraction of a second and a generate call seconds: the least
+    # disturbed call of a calibration runs faster than generate will, so the median counts.
+    import time
+
+    from tfnb.runtime.calibrate import _per_step
+
+    calls = []
+
+    class Loop:  # 2 ms per step, except one call that ran undisturbed at 1 ms per step
+        def __call__(self, n):
+            calls.append(int(n))
+            lucky = int(n) > 1 and calls.count(int(n)) == 3
+            time.sleep(int(n) * (1e-3 if lucky else 2e-3))
+            return self
+
+        def numpy(self):
+            return 0
+
+    per = _per_step({"block": Loop()}, "/device:CPU:0", steps=24, repeats=5)["block"]
+    assert 1.7e-3 < per < 2.6e-3   # the best calls would say ~1 ms
+    assert calls.count(25) == 5 and calls.count(1) == 6   # a warm-up call, then alternated
+
+
 def test_workers_on_different_cpus_are_different_kinds():
     import warnings
 

@@ -250,8 +250,8 @@ def calibrate(model, cluster, topology: Topology | None = None, *, batch: int = 
             devs = [topology.devices[d] for d in members]
             timed = {dev: time_stages(config, dev, batch=batch, slots=slots) for dev in devs}
             for group in _alike(timed, config.n_layers):
-                # the mean: one calibration's best of 7 still differs from the next by up to
-                # +-10% (a SmolLM2 block: 0.76-0.92 ms, probed); averaging narrows that
+                # the mean: one calibration still differs from the next by up to +-10% on
+                # a busy machine (a SmolLM2 block: 0.76-0.92 ms, probed); averaging narrows it
                 per = {k: float(np.mean([timed[dev][k] for dev in group])) for k in timed[devs[0]]}
                 for dev in group:
                     times[("embed", dev)], times[("head", dev)] = per["embed"], per["head"]

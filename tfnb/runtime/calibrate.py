@@ -14,11 +14,13 @@ measure a device's speed. So ``time_stages`` runs the runtime's compiled decode 
   timed alone stays in the last-level cache: probed, one SmolLM2 block (14 MB, 32 MB L3) ran at
   1.55 ms, eight in a row at 2.12 ms each;
 - each segment called ``steps`` times in a ``tf.while_loop`` on the device. A step costs
-  ``(t(1 + steps) - t(1)) / steps``, which removes the client's round trip; the two calls
-  alternate ``repeats`` times and the best of each counts. Probed on the 2-core machine, 4
-  calibrations of each of 2 workers: a SmolLM2 block took 0.80-1.04 ms with 8 steps and 5
-  repeats, 0.76-0.92 ms with 32 and 7 (about 3 s more per device; compiling takes the rest of
-  the ~10 s).
+  ``(t(1 + steps) - t(1)) / steps``, which removes the client's round trip; the calls of all
+  three segments alternate ``repeats`` times and the median of each counts. The median, not the
+  best: a timed call lasts 0.2-0.3 s, a generate call seconds, and the least disturbed of 7
+  short calls is faster than a long call runs. Probed on the 2-core machine, workers pinned
+  to one core each, SmolLM2 over 1 or 2 workers: the sum of the best times predicted 5-16%
+  less than generate measured; the median's sum came within -12% to +1%, with and without
+  a busy process sharing a worker's core.
 
 The caches have ``slots`` slots (decode attends over all of them, masked), as in a generate
 call whose prompt and new tokens fit ``slots``.
@@ -30,6 +32,7 @@ import dataclasses
 import math
 import time
 
+import numpy as np
 import tensorflow as tf
 
 from tfnb.models.chain import llama_chain
@@ -38,6 +41,41 @@ from tfnb.runtime.placed import PlacedModel, Segment, _segment_functions
 
 __all__ = ["time_stages"]
 
+
+def _random_blocks(config, device: str, batch: int, slots: int, stream_bytes: float, seed: int):
+    """``(config of k blocks, k, params, KV caches)``: a model of ``k`` blocks holding at least
+    ``stream_bytes`` of weights (random values of the real shapes), created on ``device``."""
+    block_bytes = llama_chain(config)["block.0"].param_bytes
+    k = max(1, min(config.n_layers, math.ceil(stream_bytes / block_bytes)))
+    small = dataclasses.replace(config, n_layers=k)
+    names = ["embed"] + [f"block.{i}" for i in range(k)] + ["head"]
+    # random values of the real shapes: the time does not depend on them
+    pm = PlacedModel(small, random_weights(small, seed), None, dict.fromkeys(names, device),
+                     timeout=None)
+    shape = [batch, small.n_kv_heads, slots, small.head_dim]
+    with tf.device(device):
+        caches = [(tf.Variable(tf.zeros(shape), trainable=False),
+                   tf.Variable(tf.zeros(shape), trainable=False)) for _ in range(k)]
+    return small, k, pm.params[0], caches
+
+
+def _per_step(loops: dict, device: str, steps: int, repeats: int) -> dict[str, float]:
+    """Seconds per iteration of each ``loops[name](n)``: ``(t(1 + steps) - t(1)) / steps`` with
+    the median ``t`` of ``repeats`` calls, all alternated (a burst of other work hits each
+    alike)."""
+    took: dict = {}
+    with tf.device(device):
+        for name, loop in loops.items():
+            loop(tf.constant(1)).numpy()  # trace + compile
+            took[name] = {1: [], 1 + steps: []}
+        for _ in range(repeats):
+            for name, loop in loops.items():
+                for n in (1, 1 + steps):
+                    t0 = time.perf_counter()
+                    loop(tf.constant(n)).numpy()
+                    took[name][n].append(time.perf_counter() - t0)
+    return {name: max(0.0, float(np.median(t[1 + steps]) - np.median(t[1]))) / steps
+            for name, t in took.items()}
 
 def _timed_loop(decode, device: str, kind: str, config, batch: int):
     """A function running ``decode`` ``n`` times on ``device`` in a graph loop."""
@@ -68,7 +106,7 @@ def _timed_loop(decode, device: str, kind: str, config, batch: int):
 
 
 def time_stages(config, device: str, *, batch: int = 1, slots: int = 128, steps: int = 32,
-                repeats: int = 7, stream_bytes: float = 128e6, seed: int = 0) -> dict[str, float]:
+                repeats: int = 9, stream_bytes: float = 128e6, seed: int = 0) -> dict[str, float]:
     """Seconds per decode step of ``"embed"``, one ``"block"`` and ``"head"`` on ``device``.
 
     Parameters
@@ -76,7 +114,7 @@ def time_stages(config, device: str, *, batch: int = 1, slots: int = 128, steps:
     config : the model's ``LlamaConfig``
     device : a TF device string of a connected cluster (or this process)
     batch, slots : sequences per step and KV-cache slots
-    steps, repeats : decode steps per timed call, and timed calls (the best counts)
+    steps, repeats : decode steps per timed call, and timed calls (the median counts)
     stream_bytes : the consecutive blocks timed together hold at least this many weight bytes
 
     Examples
@@ -86,40 +124,21 @@ def time_stages(config, device: str, *, batch: int = 1, slots: int = 128, steps:
     >>> sorted(t), all(v >= 0 for v in t.values())
     (['block', 'embed', 'head'], True)
     """
-    block_bytes = llama_chain(config)["block.0"].param_bytes
-    k = max(1, min(config.n_layers, math.ceil(stream_bytes / block_bytes)))
-    small = dataclasses.replace(config, n_layers=k)
-    names = ["embed"] + [f"block.{i}" for i in range(k)] + ["head"]
-    # random values of the real shapes: the time does not depend on them
-    pm = PlacedModel(small, random_weights(small, seed), None, dict.fromkeys(names, device),
-                     timeout=None)
-    params = pm.params[0]
-    shape = [batch, small.n_kv_heads, slots, small.head_dim]
-    with tf.device(device):
-        caches = [(tf.Variable(tf.zeros(shape), trainable=False),
-                   tf.Variable(tf.zeros(shape), trainable=False)) for _ in range(k)]
-    embeds = {key: v for key, v in params.items() if key.startswith("embed_")}
-    parts = {
-        "embed": (Segment(device, ("embed",), (), True, False), {"blocks": [], **embeds}, []),
-        "block": (Segment(device, tuple(names[1:-1]), tuple(range(k)), False, False),
-                  {"blocks": params["blocks"]}, caches),
-        "head": (Segment(device, ("head",), (), False, True),
-                 {"blocks": [], "final_norm": params["final_norm"],
-                  "out_DxV": params["out_DxV"]}, []),
+    small, k, params, caches = _random_blocks(config, device, batch, slots, stream_bytes, seed)
+    eos = small.eos_ids or (0,)
+    embed = Segment(device, ("embed",), (), True, False)
+    head = Segment(device, ("head",), (), False, True)
+    decode = {
+        "embed": _segment_functions(embed, {"blocks": [], **{
+            key: v for key, v in params.items() if key.startswith("embed_")}}, [], small, eos, 0),
+        "block": _segment_functions(Segment(device, tuple(f"block.{i}" for i in range(k)),
+                                            tuple(range(k)), False, False),
+                                    {"blocks": params["blocks"]}, caches, small, eos, 0),
+        "head": _segment_functions(head, {"blocks": [], "final_norm": params["final_norm"],
+                                          "out_DxV": params["out_DxV"]}, [], small, eos, 0),
     }
-    out = {}
-    for kind, (seg, seg_params, seg_caches) in parts.items():
-        decode = _segment_functions(seg, seg_params, seg_caches, small, small.eos_ids or (0,),
-                                    0)[1]
-        loop = _timed_loop(decode, device, kind, small, batch)
-        with tf.device(device):
-            loop(tf.constant(1)).numpy()  # trace + compile
-            one = many = math.inf
-            for _ in range(repeats):  # alternated, so a burst of other work hits both alike
-                for n in (1, 1 + steps):
-                    t0 = time.perf_counter()
-                    loop(tf.constant(n)).numpy()
-                    took = time.perf_counter() - t0
-                    one, many = (min(one, took), many) if n == 1 else (one, min(many, took))
-        out[kind] = max(0.0, many - one) / steps / (k if kind == "block" else 1)
+    loops = {kind: _timed_loop(fns[1], device, kind, small, batch)
+             for kind, fns in decode.items()}
+    out = _per_step(loops, device, steps, repeats)
+    out["block"] /= k
     return out
