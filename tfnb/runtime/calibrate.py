@@ -77,6 +77,7 @@ def _per_step(loops: dict, device: str, steps: int, repeats: int) -> dict[str, f
     return {name: max(0.0, float(np.median(t[1 + steps]) - np.median(t[1]))) / steps
             for name, t in took.items()}
 
+
 def _timed_loop(decode, device: str, kind: str, config, batch: int):
     """A function running ``decode`` ``n`` times on ``device`` in a graph loop."""
     D = config.hidden_size
