@@ -314,7 +314,7 @@ def test_calibration_counts_the_typical_step_not_the_luckiest():
         def numpy(self):
             return 0
 
-    per = _per_step({"block": Loop()}, "/device:CPU:0", steps=24, repeats=5)["block"]
+    per = _per_step({"block": Loop()}, steps=24, repeats=5)["block"]
     assert 1.7e-3 < per < 2.6e-3   # the best calls would say ~1 ms
     assert calls.count(25) == 5 and calls.count(1) == 6   # a warm-up call, then alternated
 

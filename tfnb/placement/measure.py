@@ -246,10 +246,10 @@ def calibrate(model, cluster, topology: Topology | None = None, *, batch: int = 
            repr(config), batch, slots)
     if refresh or key not in _CACHE:
         times = {}
+        timed = time_stages(config, topology.devices, batch=batch, slots=slots)
         for members in topology.classes():
             devs = [topology.devices[d] for d in members]
-            timed = {dev: time_stages(config, dev, batch=batch, slots=slots) for dev in devs}
-            for group in _alike(timed, config.n_layers):
+            for group in _alike({dev: timed[dev] for dev in devs}, config.n_layers):
                 # the mean: one calibration still differs from the next by up to +-10% on
                 # a busy machine (a SmolLM2 block: 0.76-0.92 ms, probed); averaging narrows it
                 per = {k: float(np.mean([timed[dev][k] for dev in group])) for k in timed[devs[0]]}

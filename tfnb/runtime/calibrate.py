@@ -7,8 +7,8 @@ a SmolLM2 block runs at about 5 GFLOP/s, against 30 GFLOP/s or more for the squa
 measure a device's speed. So ``time_stages`` runs the runtime's compiled decode functions
 (:func:`tfnb.runtime.placed._segment_functions`, XLA, as ``generate`` runs them) on the device:
 
-- weights of the model's shapes with random values (what the time depends on), created on the
-  device, so nothing large crosses the network;
+- weights of the model's shapes (what the time depends on) with random values, made once on
+  the client and copied to each device (about 250 MB for SmolLM2);
 - the embedding, ``k`` consecutive blocks and the head as three segments. ``k`` blocks hold at
   least ``stream_bytes`` (128 MB by default), more than the caches of the CPUs we know. A block
   timed alone stays in the last-level cache: probed, one SmolLM2 block (14 MB, 32 MB L3) ran at
@@ -42,38 +42,45 @@ from tfnb.runtime.placed import PlacedModel, Segment, _segment_functions
 __all__ = ["time_stages"]
 
 
-def _random_blocks(config, device: str, batch: int, slots: int, stream_bytes: float, seed: int):
-    """``(config of k blocks, k, params, KV caches)``: a model of ``k`` blocks holding at least
-    ``stream_bytes`` of weights (random values of the real shapes), created on ``device``."""
-    block_bytes = llama_chain(config)["block.0"].param_bytes
-    k = max(1, min(config.n_layers, math.ceil(stream_bytes / block_bytes)))
-    small = dataclasses.replace(config, n_layers=k)
+def _loops(small, weights, device: str, batch: int, slots: int) -> dict:
+    """``{kind: loop}`` for the embedding, ``small``'s blocks and the head, on ``device``."""
+    k = small.n_layers
     names = ["embed"] + [f"block.{i}" for i in range(k)] + ["head"]
-    # random values of the real shapes: the time does not depend on them
-    pm = PlacedModel(small, random_weights(small, seed), None, dict.fromkeys(names, device),
-                     timeout=None)
+    params = PlacedModel(small, weights, None, dict.fromkeys(names, device),
+                         timeout=None).params[0]
     shape = [batch, small.n_kv_heads, slots, small.head_dim]
     with tf.device(device):
         caches = [(tf.Variable(tf.zeros(shape), trainable=False),
                    tf.Variable(tf.zeros(shape), trainable=False)) for _ in range(k)]
-    return small, k, pm.params[0], caches
+    eos = small.eos_ids or (0,)
+    embeds = {key: v for key, v in params.items() if key.startswith("embed_")}
+    parts = {
+        "embed": (Segment(device, ("embed",), (), True, False), {"blocks": [], **embeds}, []),
+        "block": (Segment(device, tuple(names[1:-1]), tuple(range(k)), False, False),
+                  {"blocks": params["blocks"]}, caches),
+        "head": (Segment(device, ("head",), (), False, True),
+                 {"blocks": [], "final_norm": params["final_norm"],
+                  "out_DxV": params["out_DxV"]}, []),
+    }
+    return {kind: _timed_loop(_segment_functions(seg, p, c, small, eos, 0)[1], device, kind,
+                              small, batch)
+            for kind, (seg, p, c) in parts.items()}
 
 
-def _per_step(loops: dict, device: str, steps: int, repeats: int) -> dict[str, float]:
+def _per_step(loops: dict, steps: int, repeats: int) -> dict:
     """Seconds per iteration of each ``loops[name](n)``: ``(t(1 + steps) - t(1)) / steps`` with
     the median ``t`` of ``repeats`` calls, all alternated (a burst of other work hits each
     alike)."""
     took: dict = {}
-    with tf.device(device):
+    for name, loop in loops.items():
+        loop(tf.constant(1)).numpy()  # trace + compile
+        took[name] = {1: [], 1 + steps: []}
+    for _ in range(repeats):
         for name, loop in loops.items():
-            loop(tf.constant(1)).numpy()  # trace + compile
-            took[name] = {1: [], 1 + steps: []}
-        for _ in range(repeats):
-            for name, loop in loops.items():
-                for n in (1, 1 + steps):
-                    t0 = time.perf_counter()
-                    loop(tf.constant(n)).numpy()
-                    took[name][n].append(time.perf_counter() - t0)
+            for n in (1, 1 + steps):
+                t0 = time.perf_counter()
+                loop(tf.constant(n)).numpy()
+                took[name][n].append(time.perf_counter() - t0)
     return {name: max(0.0, float(np.median(t[1 + steps]) - np.median(t[1]))) / steps
             for name, t in took.items()}
 
@@ -103,17 +110,25 @@ def _timed_loop(decode, device: str, kind: str, config, batch: int):
             _, x, tok = tf.while_loop(lambda i, x, tok: i < n, body, (tf.constant(0), x, tok))
             return tf.reduce_sum(x) + tf.cast(tf.reduce_sum(tok), tf.float32)
 
-    return loop
+    def on_device(n):  # called from the device, so the loop does not wait on the client
+        with tf.device(device):
+            return loop(n)
+
+    return on_device
 
 
-def time_stages(config, device: str, *, batch: int = 1, slots: int = 128, steps: int = 32,
-                repeats: int = 9, stream_bytes: float = 128e6, seed: int = 0) -> dict[str, float]:
-    """Seconds per decode step of ``"embed"``, one ``"block"`` and ``"head"`` on ``device``.
+def time_stages(config, devices, *, batch: int = 1, slots: int = 128, steps: int = 32,
+                repeats: int = 9, stream_bytes: float = 128e6, seed: int = 0) -> dict:
+    """``{device: {"embed": s, "block": s, "head": s}}``: seconds per decode step of the
+    embedding, one block and the head on each of ``devices``.
+
+    The devices' timed calls alternate, so their samples spread over the whole calibration
+    and a slow spell of the machine falls on a few samples of each, which the median skips.
 
     Parameters
     ----------
     config : the model's ``LlamaConfig``
-    device : a TF device string of a connected cluster (or this process)
+    devices : TF device strings of a connected cluster (or this process)
     batch, slots : sequences per step and KV-cache slots
     steps, repeats : decode steps per timed call, and timed calls (the median counts)
     stream_bytes : the consecutive blocks timed together hold at least this many weight bytes
@@ -121,25 +136,16 @@ def time_stages(config, device: str, *, batch: int = 1, slots: int = 128, steps:
     Examples
     --------
     >>> from tfnb.models.llama import tiny_config
-    >>> t = time_stages(tiny_config(), "/device:CPU:0", slots=16, steps=2, repeats=1)
-    >>> sorted(t), all(v >= 0 for v in t.values())
+    >>> t = time_stages(tiny_config(), ["/device:CPU:0"], slots=16, steps=2, repeats=1)
+    >>> sorted(t["/device:CPU:0"]), all(v >= 0 for v in t["/device:CPU:0"].values())
     (['block', 'embed', 'head'], True)
     """
-    small, k, params, caches = _random_blocks(config, device, batch, slots, stream_bytes, seed)
-    eos = small.eos_ids or (0,)
-    embed = Segment(device, ("embed",), (), True, False)
-    head = Segment(device, ("head",), (), False, True)
-    decode = {
-        "embed": _segment_functions(embed, {"blocks": [], **{
-            key: v for key, v in params.items() if key.startswith("embed_")}}, [], small, eos, 0),
-        "block": _segment_functions(Segment(device, tuple(f"block.{i}" for i in range(k)),
-                                            tuple(range(k)), False, False),
-                                    {"blocks": params["blocks"]}, caches, small, eos, 0),
-        "head": _segment_functions(head, {"blocks": [], "final_norm": params["final_norm"],
-                                          "out_DxV": params["out_DxV"]}, [], small, eos, 0),
-    }
-    loops = {kind: _timed_loop(fns[1], device, kind, small, batch)
-             for kind, fns in decode.items()}
-    out = _per_step(loops, device, steps, repeats)
-    out["block"] /= k
-    return out
+    block_bytes = llama_chain(config)["block.0"].param_bytes
+    k = max(1, min(config.n_layers, math.ceil(stream_bytes / block_bytes)))
+    small = dataclasses.replace(config, n_layers=k)
+    weights = random_weights(small, seed)  # the time does not depend on the values
+    loops = {(dev, kind): loop for dev in devices
+             for kind, loop in _loops(small, weights, dev, batch, slots).items()}
+    per = _per_step(loops, steps, repeats)
+    return {dev: {kind: per[(dev, kind)] / (k if kind == "block" else 1)
+                  for kind in ("embed", "block", "head")} for dev in devices}
