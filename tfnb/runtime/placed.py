@@ -90,9 +90,11 @@ def place(model, assignment, *, timeout: float | None = 60.0,
         ``PlacedModel.compile_timeout`` (900 s) instead.
     xla_loop : bool
         When every stage is on one device, compile the whole decode loop into one XLA
-        computation: a little faster per token (about 40 us/step less), but every new prompt
-        length bucket and streaming recompile the whole loop. Default False: the loop is a
-        graph loop calling each segment's compiled step, which new prompt lengths reuse.
+        computation: faster per token (about 40 us/step less in this process; on a remote
+        worker pinned to one core, probed, SmolLM2 ran 34 against 39 ms per token), but every
+        new prompt length bucket and streaming recompile the whole loop. Default False: the
+        loop is a graph loop calling each segment's compiled step, which new prompt lengths
+        reuse.
 
     Raises
     ------
