@@ -38,14 +38,16 @@ _MAX_PROGRAMS = 3  # cache sets (batch, length) kept alive at once
 
 
 class _QuietRetracing(logging.Filter):
-    """Drop TF's "frequent retracing" warning for our functions: each bucket's functions are
-    separate tf.function objects traced once, which TF's detector mistakes for retracing."""
+    """Drop TF's "frequent retracing" warning for our functions: each bucket's functions (and
+    each calibration loop, :mod:`tfnb.runtime.calibrate`) are separate tf.function objects
+    traced once, which TF's detector mistakes for retracing."""
+
+    OURS = ("_outer_function", "_segment_functions", "_logits_function", "_timed_loop")
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg = record.getMessage()
         return not ("triggered tf.function retracing" in msg
-                    and ("_outer_function" in msg or "_segment_functions" in msg
-                         or "_logits_function" in msg))
+                    and any(name in msg for name in self.OURS))
 
 
 tf.get_logger().addFilter(_QuietRetracing())
