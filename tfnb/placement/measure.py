@@ -245,20 +245,25 @@ def calibrate(model, cluster, topology: Topology | None = None, *, batch: int = 
     key = ("stages", _cluster_key(cluster, topology.devices), getattr(model, "name", None),
            repr(config), batch, slots)
     if refresh or key not in _CACHE:
-        times = {}
-        timed = time_stages(config, topology.devices, batch=batch, slots=slots)
-        for members in topology.classes():
-            devs = [topology.devices[d] for d in members]
-            for group in _alike({dev: timed[dev] for dev in devs}, config.n_layers):
-                # the mean: one calibration still differs from the next by up to +-10% on
-                # a busy machine (a SmolLM2 block: 0.76-0.92 ms, probed); averaging narrows it
-                per = {k: float(np.mean([timed[dev][k] for dev in group])) for k in timed[devs[0]]}
-                for dev in group:
-                    times[("embed", dev)], times[("head", dev)] = per["embed"], per["head"]
-                    times.update({(f"block.{i}", dev): per["block"]
-                                  for i in range(config.n_layers)})
-        _CACHE[key] = times
+        _CACHE[key] = stage_table(time_stages(config, topology.devices, batch=batch,
+                                              slots=slots), topology, config.n_layers)
     return _CACHE[key]
+
+
+def stage_table(timed: dict, topology: Topology, n_layers: int) -> dict:
+    """``{(stage, device): seconds}`` from ``time_stages``' per-device figures: devices of one
+    class whose times are alike (within ``ALIKE``) share the mean of their figures."""
+    times = {}
+    for members in topology.classes():
+        devs = [topology.devices[d] for d in members]
+        for group in _alike({dev: timed[dev] for dev in devs}, n_layers):
+            # the mean: one calibration still differs from the next by up to +-10% on
+            # a busy machine (a SmolLM2 block: 0.76-0.92 ms, probed); averaging narrows it
+            per = {k: float(np.mean([timed[dev][k] for dev in group])) for k in timed[devs[0]]}
+            for dev in group:
+                times[("embed", dev)], times[("head", dev)] = per["embed"], per["head"]
+                times.update({(f"block.{i}", dev): per["block"] for i in range(n_layers)})
+    return times
 
 
 def _alike(timed: dict, n_layers: int) -> list[list]:

@@ -39,7 +39,7 @@ from tfnb.models.chain import llama_chain
 from tfnb.models.llama import random_weights
 from tfnb.runtime.placed import PlacedModel, Segment, _segment_functions
 
-__all__ = ["time_stages"]
+__all__ = ["time_stages", "stage_timer"]
 
 
 def _loops(small, weights, device: str, batch: int, slots: int) -> dict:
@@ -117,6 +117,26 @@ def _timed_loop(decode, device: str, kind: str, config, batch: int):
     return on_device
 
 
+def stage_timer(config, devices, *, batch: int = 1, slots: int = 128,
+                stream_bytes: float = 128e6, seed: int = 0):
+    """Build the timed loops once; ``timer(steps, repeats)`` then gives what
+    :func:`time_stages` gives, as often as needed (a benchmark times the stages between its
+    own calls with it, so both see the machine in the same state)."""
+    block_bytes = llama_chain(config)["block.0"].param_bytes
+    k = max(1, min(config.n_layers, math.ceil(stream_bytes / block_bytes)))
+    small = dataclasses.replace(config, n_layers=k)
+    weights = random_weights(small, seed)  # the time does not depend on the values
+    loops = {(dev, kind): loop for dev in devices
+             for kind, loop in _loops(small, weights, dev, batch, slots).items()}
+
+    def timer(steps: int = 32, repeats: int = 9) -> dict:
+        per = _per_step(loops, steps, repeats)
+        return {dev: {kind: per[(dev, kind)] / (k if kind == "block" else 1)
+                      for kind in ("embed", "block", "head")} for dev in devices}
+
+    return timer
+
+
 def time_stages(config, devices, *, batch: int = 1, slots: int = 128, steps: int = 32,
                 repeats: int = 9, stream_bytes: float = 128e6, seed: int = 0) -> dict:
     """``{device: {"embed": s, "block": s, "head": s}}``: seconds per decode step of the
@@ -140,12 +160,5 @@ def time_stages(config, devices, *, batch: int = 1, slots: int = 128, steps: int
     >>> sorted(t["/device:CPU:0"]), all(v >= 0 for v in t["/device:CPU:0"].values())
     (['block', 'embed', 'head'], True)
     """
-    block_bytes = llama_chain(config)["block.0"].param_bytes
-    k = max(1, min(config.n_layers, math.ceil(stream_bytes / block_bytes)))
-    small = dataclasses.replace(config, n_layers=k)
-    weights = random_weights(small, seed)  # the time does not depend on the values
-    loops = {(dev, kind): loop for dev in devices
-             for kind, loop in _loops(small, weights, dev, batch, slots).items()}
-    per = _per_step(loops, steps, repeats)
-    return {dev: {kind: per[(dev, kind)] / (k if kind == "block" else 1)
-                  for kind in ("embed", "block", "head")} for dev in devices}
+    return stage_timer(config, devices, batch=batch, slots=slots, stream_bytes=stream_bytes,
+                       seed=seed)(steps, repeats)
