@@ -172,7 +172,8 @@ def run_scenario(key: str, new: int, repeat: int) -> dict:
                 "rounds": repeat,
                 "stage_ms": stage_ms, "rounds_stage_ms": rounds_stage_ms,
                 "stage_samples_ms": [{short_device(d): {k: v * 1e3 for k, v in x[d].items()}
-                                      for d in x} for x in samples], "prompt_tokens": len(ids), "new_tokens": new}
+                                      for d in x} for x in samples],
+                "prompt_tokens": len(ids), "new_tokens": new}
     finally:
         cluster.stop()
         if load is not None:
@@ -208,10 +209,11 @@ def markdown(results: list[dict], when: str, machine: str) -> str:
              f"{machine}; {when}. Greedy, batch 1, EOS off; plans, placements and timings of one "
              "scenario in one run, interleaved; the median of the rounds. ms/token: one decode "
              "step (a call of 8 + n tokens minus one of 8 in the same round, over n); tokens/s: "
-             "n new tokens over a whole call (prefill included); predicted: the plan's own figure, from the "
-             "measured topology and stage times (calibrated when planning; in the rounds: timed "
-             "between the rounds' calls, so machine drift since planning is not counted); vs optimal: optimal/latency's tokens/s over "
-             "the plan's, paired round by round, median [95% bootstrap interval]: an interval "
+             "n new tokens over a whole call (prefill included); predicted: the plan's own "
+             "figure, from the measured topology and stage times (calibrated when planning; in "
+             "the rounds: timed between the rounds' calls, so machine drift since planning is "
+             "not counted); vs optimal: optimal/latency's tokens/s over the plan's, paired "
+             "round by round, median [95% bootstrap interval]: an interval "
              "that holds 1 is a tie, a difference within this machine's noise.", ""]
     def stage_text(stage_ms):
         return "; ".join(f"{d}: embed {v['embed']:.3f}, block {v['block.0']:.2f}, head "
