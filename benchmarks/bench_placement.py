@@ -22,7 +22,7 @@ interleaved round by round (the machine is noisy), greedy, batch 1, EOS off:
   between the rounds' generate calls (the calibration's own timed loops, one call per device
   and stage per round, the median over the rounds), so machine drift between planning and
   measuring is told apart from the cost model's own error. On this shared 2-vCPU machine a
-  SmolLM2 block's calibration has ranged over 0.82-1.11 ms from one scenario to the next.
+  SmolLM2 block's calibration has ranged over 0.70-1.11 ms from one scenario to the next.
 
 Scenarios: two local workers without a memory cap (the model fits one); capped at 400 MB each
 (so the model must be split); capped, with each worker pinned to its own core
