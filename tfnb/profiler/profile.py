@@ -6,6 +6,7 @@ import re
 from collections.abc import Mapping
 
 from tfnb.errors import ProfileError
+from tfnb.profiler.xplane import op_kind
 
 _MS = 1e6
 
@@ -282,26 +283,27 @@ class Profile:
         return devs, nbytes, count
 
     def top_ops(self, n: int = 10, by: str = "name") -> list[dict]:
-        """The ``n`` ops (``by="name"``: node and device; ``by="op"``: op type) with the most time.
+        """The ``n`` ops (``by="name"``: node and device; ``by="op"``: op type; ``by="kind"``:
+        matmul, transfer, compiled or other, whatever kernel library TF picked) with the most time.
 
         Examples
         --------
         >>> prof.top_ops(3, by="op")                                # doctest: +SKIP
         """
         self._check()
-        if by not in ("name", "op"):
-            raise ProfileError(f"by={by!r}; expected 'name' or 'op'")
+        if by not in ("name", "op", "kind"):
+            raise ProfileError(f"by={by!r}; expected 'name', 'op' or 'kind'")
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ProfileError(f"n={n!r}; expected an integer >= 1")
         agg: dict = {}
         for e in self.events:
-            key = (e.name, e.op, e.device) if by == "name" else (e.op,)
+            key = (e.name, e.op, e.device) if by == "name" else (op_kind(e.op) if by == "kind" else e.op,)
             a = agg.setdefault(key, [0, 0])
             a[0] += 1
             a[1] += e.dur
         rows = []
         for key, (cnt, tot) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:n]:
-            row = dict(zip(("name", "op", "device"), key)) if by == "name" else {"op": key[0]}
+            row = dict(zip(("name", "op", "device"), key)) if by == "name" else {by: key[0]}
             row.update(count=cnt, total_ms=tot / _MS, mean_us=tot / cnt / 1e3)
             rows.append(row)
         return rows

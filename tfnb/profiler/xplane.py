@@ -25,6 +25,28 @@ TRANSFER_TYPES = frozenset({"_Send", "_Recv", "_HostSend", "_HostRecv"})
 _DTYPE_BYTES = {"float": 4, "double": 8, "half": 2, "bfloat16": 2, "int8": 1, "uint8": 1,
                 "int16": 2, "uint16": 2, "int32": 4, "uint32": 4, "int64": 8, "uint64": 8,
                 "bool": 1, "complex64": 8, "complex128": 16, "qint8": 1, "quint8": 1, "qint32": 4}
+# Op kinds a person reads a profile by. The op type of one idea differs with the kernel library
+# TensorFlow picked: a matmul is "MatMul" with Eigen kernels but "_MklMatMul" or "_FusedMatMul"
+# where oneDNN's kernels are registered (x86 builds with AVX-512), so kinds match by pattern.
+OP_KINDS = (
+    ("matmul", re.compile(r"MatMul|Einsum|^dot$|Conv", re.IGNORECASE)),
+    ("compiled", re.compile(r"PartitionedCall|^_?Xla(Launch|Run|Compile)")),
+)
+
+
+def op_kind(op: str) -> str:
+    """The kind of an op type: "transfer", "matmul", "compiled" (an XLA segment) or "other".
+
+    Examples
+    --------
+    >>> [op_kind(t) for t in ("MatMul", "_MklMatMul", "_Recv", "Relu")]
+    ['matmul', 'matmul', 'transfer', 'other']
+    """
+    if op in TRANSFER_TYPES:
+        return "transfer"
+    return next((kind for kind, pattern in OP_KINDS if pattern.search(op)), "other")
+
+
 _PARTITION = re.compile(r"^(.*?)_partitioned_\d+_\d+$")
 _EPOCH_NS = 10**15  # line timestamps below this are relative to profile_start_time
 _OP, _EXEC, _RUN, _EAGER = range(4)  # kinds of event parse_space keeps
