@@ -130,8 +130,14 @@ def test_killed_worker_is_down_and_its_ops_fail_fast_then_reconnect_recovers(fau
         doomed.assign_add([1.0])
     assert time.monotonic() - start < 5
 
+    before = c.incarnations
+    with pytest.raises(TypeError):
+        before["x"] = 1  # read-only: placement reads it, only reconnect changes it
     faulty.restart(1)
     report = c.reconnect()
+    after = c.incarnations
+    assert after[faulty.addresses[0]] == before[faulty.addresses[0]]
+    assert after[faulty.addresses[1]] != before[faulty.addresses[1]]
     assert report == {"restarted": ["/job:worker/replica:0/task:1"], "lost": ["a model on worker 1"]}
     assert holder.lost == "a worker restarted"
     with tf.device(w1):

@@ -16,6 +16,7 @@ import os
 import socket
 import threading
 import weakref
+from types import MappingProxyType
 
 from tfnb.cluster.local import LocalCluster, free_ports
 from tfnb.cluster.probe import probe_all
@@ -103,6 +104,14 @@ class Cluster:
     def workers(self) -> list[str]:
         """Task prefixes, e.g. ``/job:worker/replica:0/task:0``."""
         return [f"/job:{j}/replica:0/task:{i}" for j, i, _ in self.spec.tasks()]
+
+    @property
+    def incarnations(self) -> "MappingProxyType[str, int]":
+        """``{address: incarnation}`` of each worker as last probed (connect or reconnect).
+
+        A read-only copy: a worker whose incarnation changed was restarted and lost its state.
+        """
+        return MappingProxyType(dict(self._incarnations))
 
     @property
     def devices(self) -> list[str]:
