@@ -31,10 +31,59 @@ import numpy as np
 
 from tfnb.errors import ModelError
 
-__all__ = ["Stage", "LayerChain", "llama_chain", "variables_chain", "keras_chain", "STAGE_KINDS"]
+__all__ = ["Stage", "LayerChain", "llama_chain", "variables_chain", "keras_chain", "STAGE_KINDS",
+           "block_stage", "block_index", "is_block", "stage_names"]
 
 STAGE_KINDS = ("embed", "block", "head", "layer")
 _F32 = 4
+_BLOCK_STAGE = re.compile(r"block\.(\d+)")
+
+
+def block_stage(i: int) -> str:
+    """The name of transformer block ``i``'s stage; ``block_index`` reads it back.
+
+    Examples
+    --------
+    >>> block_stage(3)
+    'block.3'
+    """
+    if not isinstance(i, (int, np.integer)) or isinstance(i, bool) or i < 0:
+        raise ModelError(f"block index {i!r}: expected a non-negative integer")
+    return f"block.{int(i)}"
+
+
+def block_index(stage: str) -> int | None:
+    """The block number in a stage name made by ``block_stage``; ``None`` for other stages.
+
+    Examples
+    --------
+    >>> block_index("block.12"), block_index("head")
+    (12, None)
+    """
+    match = _BLOCK_STAGE.fullmatch(stage) if isinstance(stage, str) else None
+    return int(match.group(1)) if match else None
+
+
+def is_block(stage: str) -> bool:
+    """Whether ``stage`` names a transformer block (``"block.{i}"``).
+
+    Examples
+    --------
+    >>> is_block("block.0"), is_block("embed")
+    (True, False)
+    """
+    return block_index(stage) is not None
+
+
+def stage_names(n_blocks: int) -> list[str]:
+    """``["embed", "block.0", ..., "block.{n_blocks-1}", "head"]``: a decoder's stages in order.
+
+    Examples
+    --------
+    >>> stage_names(2)
+    ['embed', 'block.0', 'block.1', 'head']
+    """
+    return ["embed"] + [block_stage(i) for i in range(n_blocks)] + ["head"]
 
 
 @dataclass(frozen=True)
@@ -222,7 +271,7 @@ def llama_chain(config) -> LayerChain:
     for i in range(config.n_layers):
         names = tuple(n for n in shapes if n.startswith(f"blocks.{i}."))
         stages.append(Stage(
-            f"block.{i}", "block", sum(nbytes[n] for n in names), matmul_flops(names),
+            block_stage(i), "block", sum(nbytes[n] for n in names), matmul_flops(names),
             d * _F32, 2 * config.n_kv_heads * hd * _F32, names,
             attn_flops_per_context=4 * config.n_heads * hd))
     # Tied: the head multiplies by embed.T, so its device needs (and is charged for) embed as well.
@@ -261,7 +310,7 @@ def variables_chain(hf_model, *, tied_names: tuple[str, ...] = (), kv_bytes_per_
     for var in hf_model.weights:
         match = _BLOCK_RE.match(var.name)
         if match:
-            key = f"block.{int(match.group(2))}"
+            key = block_stage(int(match.group(2)))
             if key not in groups:
                 groups[key] = []
                 block_order.append(key)
