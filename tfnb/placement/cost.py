@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tfnb.errors import PlacementError
+from tfnb.names import format_bytes, short_device
 
 __all__ = ["Topology", "Prediction", "predict", "parse_bytes", "short_device", "TOKEN_BYTES",
            "DEFAULT_CONTEXT_LEN"]
@@ -61,22 +62,6 @@ def parse_bytes(value) -> float:
         return value if math.isinf(value) else int(value)
     raise PlacementError(f"memory {value!r}: expected a positive number of bytes or a string "
                          "such as '512MB'")
-
-
-def short_device(device: str) -> str:
-    """``/job:worker/replica:0/task:1/device:CPU:0`` -> ``worker:1/CPU:0``; others unchanged.
-
-    Examples
-    --------
-    >>> short_device("/job:worker/replica:0/task:1/device:CPU:0")
-    'worker:1/CPU:0'
-    """
-    m = re.fullmatch(r"/job:([^/]+)/replica:\d+/task:(\d+)/device:(.+)", device)
-    return f"{m.group(1)}:{m.group(2)}/{m.group(3)}" if m else device
-
-
-def _mb(n: float) -> str:
-    return "inf" if math.isinf(n) else f"{n / 1e6:,.0f} MB"
 
 
 def _per_device(name: str, value, devices: tuple[str, ...], positive=True) -> np.ndarray:
@@ -248,7 +233,8 @@ class Topology:
         names = ", ".join(short_device(d) for d in self.devices[:3])
         more = f", ... ({len(self.devices)} devices)" if len(self.devices) > 3 else ""
         lo, hi = self.memory.min(), self.memory.max()
-        mem = f"{_mb(lo)} each" if lo == hi else f"{_mb(lo)} to {_mb(hi)}"
+        mem = (f"{format_bytes(lo, 'MB')} each" if lo == hi else
+               f"{format_bytes(lo, 'MB')} to {format_bytes(hi, 'MB')}")
         g = self.flops / 1e9
         return (f"Topology({len(self.devices)} devices: {names}{more}; {mem}; "
                 f"{g.min():.3g}-{g.max():.3g} GFLOP/s)")

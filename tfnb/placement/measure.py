@@ -37,6 +37,7 @@ import warnings
 
 import numpy as np
 
+from tfnb.models.chain import block_stage
 from tfnb.placement.cost import Topology
 
 __all__ = ["measure_topology", "calibrate", "clear_cache"]
@@ -179,7 +180,7 @@ def measure_topology(cluster, devices=None, *, repeats: int = 5, tensor_bytes: i
     >>> topo.latency[0, 1] * 1e3, topo.bandwidth[0, 1] / 1e9          # doctest: +SKIP
     (0.4, 1.1)
     """
-    import tensorflow as tf
+    import tensorflow as tf  # here, so that planning on a Topology never imports TensorFlow
 
     devices = list(cluster.devices if devices is None else devices)
     key = (_cluster_key(cluster, devices), repeats, tensor_bytes, matmul_n, matmuls, smooth)
@@ -219,7 +220,7 @@ def measure_topology(cluster, devices=None, *, repeats: int = 5, tensor_bytes: i
 
 def _cluster_key(cluster, devices) -> tuple:
     """Devices and worker incarnations: a restarted worker is measured again."""
-    incarnations = getattr(cluster, "_incarnations", None) or {}
+    incarnations = getattr(cluster, "incarnations", None) or {}
     return tuple(sorted(devices)), tuple(sorted(incarnations.items()))
 
 
@@ -236,6 +237,7 @@ def calibrate(model, cluster, topology: Topology | None = None, *, batch: int = 
     >>> round(times[("block.0", cluster.devices[0])] * 1e3, 2)        # doctest: +SKIP
     1.62
     """
+    # tfnb.runtime imports TensorFlow: only when stages are timed.
     from tfnb.runtime.calibrate import time_stages
     from tfnb.runtime.requests import bucket
 
@@ -262,7 +264,7 @@ def stage_table(timed: dict, topology: Topology, n_layers: int) -> dict:
             per = {k: float(np.mean([timed[dev][k] for dev in group])) for k in timed[devs[0]]}
             for dev in group:
                 times[("embed", dev)], times[("head", dev)] = per["embed"], per["head"]
-                times.update({(f"block.{i}", dev): per["block"] for i in range(n_layers)})
+                times.update({(block_stage(i), dev): per["block"] for i in range(n_layers)})
     return times
 
 

@@ -114,6 +114,19 @@ def _bands(P, lo, d: int, N: int, tie: float = 0.0):
     return i, valid, seg
 
 
+def _stacked_bands(P, lo, K: int, N: int, tie: float):
+    """``_bands`` of every class padded to one width: ``(band_i, band_t, width)``, the first two
+    of shape ``(K, N+1, W)`` (the candidate starts of a segment ending at ``j`` and their costs,
+    last axis contiguous for ``min()``)."""
+    bands = [_bands(P, lo, d, N, tie) for d in range(K)]
+    width = max(b[0].shape[0] for b in bands)
+    pad = [((0, width - b[0].shape[0]), (0, 0)) for b in bands]
+    band_i = np.stack([np.pad(b[0], w).T for b, w in zip(bands, pad)])
+    band_t = np.stack([np.pad(np.where(b[1], b[2], np.inf), w, constant_values=np.inf).T
+                       for b, w in zip(bands, pad)])
+    return band_i, band_t, width
+
+
 def optimal_segments(chain, topo: Topology, batch: int, context_len: int,
                      objective: str = "latency", upper_bound: float = math.inf,
                      max_bytes: float = 1e9, beam: int | None = None):
@@ -133,110 +146,142 @@ def optimal_segments(chain, topo: Topology, batch: int, context_len: int,
     >>> segs
     [('b', 0, 4)]
     """
-    add = np.add if objective == "latency" else np.maximum
-    classes = topo.classes()
-    K, N = len(classes), len(chain)
-    sizes = np.array([len(c) for c in classes])
-    T, P, lo, hop, ret = _tables(chain, topo, classes, batch, context_len)
-    tie = TIE / max(float(P[:, N].max()), 1e-30) if objective == "latency" else 0.0
-    need = np.asarray(stage_memory(chain, batch, context_len), dtype=float)
-    left = need[::-1].cumsum()[::-1]                       # bytes of stages k.. N-1
-    left = np.append(left, 0.0)
-    cap = topo.memory[[c[0] for c in classes]]
-    limit = upper_bound * (1 + 1e-9) + 1e-15
-    bounds: dict = {}
-
-    def bound(v):
-        """Least the rest can add once the devices counted in ``v`` hold stages [0, j)."""
-        if v not in bounds:
-            spare = sizes - np.array(v)
-            room = float((spare[spare > 0] * cap[spare > 0]).sum())  # caps may be inf
-            out = np.full(N + 1, np.inf)
-            if (spare > 0).any():
-                cheapest = T[spare > 0].min(axis=0)[::-1]
-                out[:N] = (np.cumsum(cheapest) if objective == "latency"
-                           else np.maximum.accumulate(cheapest))[::-1]
-            out[N] = 0.0
-            out[left > room * (1 + 1e-12)] = np.inf           # the rest no longer fits
-            bounds[v] = out
-        return bounds[v]
-
-    def prune(F, v, j0=0, j1=N + 1):
-        b = bound(v)[j0:j1]
-        F[~np.isfinite(b) | (add(F, b) > limit)] = np.inf
-        return F
-
-    bands = [_bands(P, lo, d, N, tie) for d in range(K)]
-    width = max(b[0].shape[0] for b in bands)
-    pad = [((0, width - b[0].shape[0]), (0, 0)) for b in bands]
-    # (d, j, W): the candidate starts of a segment ending at j, last axis contiguous for min()
-    band_i = np.stack([np.pad(b[0], w).T for b, w in zip(bands, pad)])
-    band_t = np.stack([np.pad(np.where(b[1], b[2], np.inf), w, constant_values=np.inf).T
-                       for b, w in zip(bands, pad)])
-    unit = [tuple(int(x == c) for x in range(K)) for c in range(K)]
-    level = {}
-    for f in range(K):
-        F = np.full((K, K, N + 1), np.inf)
-        F[f, f, 1:] = np.where(lo[f, 1:] == 0, P[f, 1:] + tie * P[f, 1:] ** 2, np.inf)
-        if np.isfinite(prune(F, unit[f])).any():
-            level[unit[f]] = F
-    table: dict = dict(level)   # every state's F, to trace the best plan back at the end
+    search = _Search(chain, topo, batch, context_len, objective, upper_bound, max_bytes)
+    N, level = search.N, search.first_level()
     best, best_key = math.inf, None
-    for depth in range(1, int(sizes.sum()) + 1):
+    for depth in range(1, search.n_devices + 1):
         nxt: dict = {}
         for u, F in level.items():
-            done = F[:, :, N] if depth == 1 else add(F[:, :, N], ret.T)
+            done = F[:, :, N] if depth == 1 else search.add(F[:, :, N], search.ret.T)
             if done.min() < best:
                 f, l = np.unravel_index(np.argmin(done), done.shape)
                 best, best_key = float(done[f, l]), (u, int(f), int(l))
-                limit = min(limit, best * (1 + 1e-9) + 1e-15)
-            live = np.isfinite(F[:, :, :N])
-            firsts = np.flatnonzero(live.any(axis=(1, 2)))
-            ds = np.flatnonzero(np.array(u) < sizes)
-            if not len(firsts) or not len(ds):
-                continue
-            cols = np.flatnonzero(live.any(axis=(0, 1)))           # stages placed so far: i
-            i0, i1 = int(cols[0]), int(cols[-1]) + 1
-            j0, j1 = i0 + 1, min(N, i1 - 1 + width) + 1            # where the next run can end
-            g = np.full((len(firsts), len(ds), N + 1), np.inf)
-            g[:, :, i0:i1] = add(F[firsts][:, :, None, i0:i1],
-                                 hop[None, :, ds, i0:i1]).min(axis=1)   # (f, d, i)
-            rows = np.arange(len(ds))[:, None, None]
-            new = add(g[:, rows, band_i[ds, j0:j1]], band_t[ds, j0:j1]).min(axis=3)  # (f, d, j)
-            for x in np.flatnonzero(np.isfinite(new).any(axis=(0, 2))):
-                d = int(ds[x])
-                v = tuple(c + (j == d) for j, c in enumerate(u))
-                if not np.isfinite(prune(new[:, x], v, j0, j1)).any():
-                    continue
-                if v not in nxt:
-                    if len(table) * K * K * (N + 1) * 8 >= max_bytes:
-                        raise TooLarge(
-                            f"the exact planner needs more than {max_bytes / 1e9:g} GB "
-                            f"({len(table)} states) for {K} kinds among {int(sizes.sum())} "
-                            "devices: use mode='greedy', or describe devices of one kind "
-                            "identically (same speed, memory and links)")
-                    nxt[v] = table[v] = np.full((K, K, N + 1), np.inf)
-                nxt[v][firsts, d, j0:j1] = new[:, x]
+                search.limit = min(search.limit, best * (1 + 1e-9) + 1e-15)
+            search.extend(u, F, nxt)
         if beam is not None and len(nxt) > beam:
-            score = {v: float(add(F, bound(v)[None, None, :]).min()) for v, F in nxt.items()}
-            keep = sorted(nxt, key=score.__getitem__)[:beam]
-            for v in set(nxt).difference(keep):
-                del table[v]
-            nxt = {v: nxt[v] for v in keep}
+            nxt = search.keep_best(nxt, beam)
         level = nxt
     if best_key is None:
         return None, math.inf
-    u, f, l = best_key
-    j, segs = N, []
-    while sum(u) > 1:   # recompute which (previous class, start) gave F[u][f, l, j]
-        prev = tuple(x - (c == l) for c, x in enumerate(u))
-        g = add(table[prev][f, :, :], hop[:, l, :])                       # (l', i)
-        starts, costs = band_i[l, j], band_t[l, j]
-        total = add(g[:, starts], costs[None, :])                         # (l', W)
-        pl, w = np.unravel_index(np.argmin(total), total.shape)
-        i = int(starts[w])
-        segs.append((l, i, j))
-        u, l, j = prev, int(pl), i
-    segs.append((l, 0, j))
-    pool = [list(c) for c in classes]
-    return [(topo.devices[pool[c].pop(0)], i, j) for c, i, j in reversed(segs)], best
+    return search.trace_back(*best_key), best
+
+
+class _Search:
+    """The exact search's tables and steps (see the module docstring).
+
+    A state ``u`` counts the devices used of each class; its table ``F[f, l, j]`` is the least
+    cost of placing stages ``[0, j)`` with the first segment on class ``f`` and the last on
+    ``l``. ``table`` keeps every state's ``F`` to trace the best plan back at the end.
+    """
+
+    def __init__(self, chain, topo: Topology, batch: int, context_len: int, objective: str,
+                 upper_bound: float, max_bytes: float):
+        self.topo, self.max_bytes = topo, max_bytes
+        self.latency = objective == "latency"
+        self.add = np.add if self.latency else np.maximum
+        self.classes = topo.classes()
+        self.K, self.N = K, N = len(self.classes), len(chain)
+        self.sizes = np.array([len(c) for c in self.classes])
+        self.n_devices = int(self.sizes.sum())
+        self.T, self.P, self.lo, self.hop, self.ret = _tables(chain, topo, self.classes, batch,
+                                                              context_len)
+        self.tie = TIE / max(float(self.P[:, N].max()), 1e-30) if self.latency else 0.0
+        need = np.asarray(stage_memory(chain, batch, context_len), dtype=float)
+        self.left = np.append(need[::-1].cumsum()[::-1], 0.0)     # bytes of stages k.. N-1
+        self.cap = topo.memory[[c[0] for c in self.classes]]
+        self.limit = upper_bound * (1 + 1e-9) + 1e-15
+        self.bounds: dict = {}
+        self.band_i, self.band_t, self.width = _stacked_bands(self.P, self.lo, K, N, self.tie)
+        self.unit = [tuple(int(x == c) for x in range(K)) for c in range(K)]
+        self.table: dict = {}
+
+    def bound(self, v):
+        """Least the rest can add once the devices counted in ``v`` hold stages [0, j)."""
+        if v not in self.bounds:
+            N, spare = self.N, self.sizes - np.array(v)
+            room = float((spare[spare > 0] * self.cap[spare > 0]).sum())  # caps may be inf
+            out = np.full(N + 1, np.inf)
+            if (spare > 0).any():
+                cheapest = self.T[spare > 0].min(axis=0)[::-1]
+                out[:N] = (np.cumsum(cheapest) if self.latency
+                           else np.maximum.accumulate(cheapest))[::-1]
+            out[N] = 0.0
+            out[self.left > room * (1 + 1e-12)] = np.inf           # the rest no longer fits
+            self.bounds[v] = out
+        return self.bounds[v]
+
+    def prune(self, F, v, j0=0, j1=None):
+        """``F`` with the entries that cannot beat ``limit`` set to inf."""
+        b = self.bound(v)[j0:self.N + 1 if j1 is None else j1]
+        F[~np.isfinite(b) | (self.add(F, b) > self.limit)] = np.inf
+        return F
+
+    def first_level(self) -> dict:
+        """The states of one device: a single segment from stage 0 on class ``f``."""
+        P, lo, level = self.P, self.lo, {}
+        for f in range(self.K):
+            F = np.full((self.K, self.K, self.N + 1), np.inf)
+            F[f, f, 1:] = np.where(lo[f, 1:] == 0, P[f, 1:] + self.tie * P[f, 1:] ** 2, np.inf)
+            if np.isfinite(self.prune(F, self.unit[f])).any():
+                level[self.unit[f]] = F
+        self.table.update(level)
+        return level
+
+    def extend(self, u, F, nxt: dict) -> None:
+        """Add to ``nxt`` the states reached from ``u`` by one more segment on a free device."""
+        K, N, sizes, add = self.K, self.N, self.sizes, self.add
+        live = np.isfinite(F[:, :, :N])
+        firsts = np.flatnonzero(live.any(axis=(1, 2)))
+        ds = np.flatnonzero(np.array(u) < sizes)
+        if not len(firsts) or not len(ds):
+            return
+        cols = np.flatnonzero(live.any(axis=(0, 1)))           # stages placed so far: i
+        i0, i1 = int(cols[0]), int(cols[-1]) + 1
+        j0, j1 = i0 + 1, min(N, i1 - 1 + self.width) + 1       # where the next run can end
+        g = np.full((len(firsts), len(ds), N + 1), np.inf)
+        g[:, :, i0:i1] = add(F[firsts][:, :, None, i0:i1],
+                             self.hop[None, :, ds, i0:i1]).min(axis=1)   # (f, d, i)
+        rows = np.arange(len(ds))[:, None, None]
+        new = add(g[:, rows, self.band_i[ds, j0:j1]], self.band_t[ds, j0:j1]).min(axis=3)
+        for x in np.flatnonzero(np.isfinite(new).any(axis=(0, 2))):   # new: (f, d, j)
+            d = int(ds[x])
+            v = tuple(c + (j == d) for j, c in enumerate(u))
+            if not np.isfinite(self.prune(new[:, x], v, j0, j1)).any():
+                continue
+            if v not in nxt:
+                self._check_size()
+                nxt[v] = self.table[v] = np.full((K, K, N + 1), np.inf)
+            nxt[v][firsts, d, j0:j1] = new[:, x]
+
+    def _check_size(self) -> None:
+        if len(self.table) * self.K * self.K * (self.N + 1) * 8 >= self.max_bytes:
+            raise TooLarge(
+                f"the exact planner needs more than {self.max_bytes / 1e9:g} GB "
+                f"({len(self.table)} states) for {self.K} kinds among {self.n_devices} "
+                "devices: use mode='greedy', or describe devices of one kind "
+                "identically (same speed, memory and links)")
+
+    def keep_best(self, nxt: dict, beam: int) -> dict:
+        """The ``beam`` states of least partial cost plus bound (a beam search)."""
+        score = {v: float(self.add(F, self.bound(v)[None, None, :]).min())
+                 for v, F in nxt.items()}
+        keep = sorted(nxt, key=score.__getitem__)[:beam]
+        for v in set(nxt).difference(keep):
+            del self.table[v]
+        return {v: nxt[v] for v in keep}
+
+    def trace_back(self, u, f: int, l: int) -> list:
+        """``[(device, start, stop), ...]`` of the plan whose value is ``table[u][f, l, N]``."""
+        j, segs, add = self.N, [], self.add
+        while sum(u) > 1:   # recompute which (previous class, start) gave F[u][f, l, j]
+            prev = tuple(x - (c == l) for c, x in enumerate(u))
+            g = add(self.table[prev][f, :, :], self.hop[:, l, :])             # (l', i)
+            starts, costs = self.band_i[l, j], self.band_t[l, j]
+            total = add(g[:, starts], costs[None, :])                         # (l', W)
+            pl, w = np.unravel_index(np.argmin(total), total.shape)
+            i = int(starts[w])
+            segs.append((l, i, j))
+            u, l, j = prev, int(pl), i
+        segs.append((l, 0, j))
+        pool = [list(c) for c in self.classes]
+        return [(self.topo.devices[pool[c].pop(0)], i, j) for c, i, j in reversed(segs)]

@@ -11,18 +11,17 @@ from __future__ import annotations
 import html
 import json
 import math
-import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tfnb.errors import PlacementError
+from tfnb.models.chain import block_index, block_stage
+from tfnb.names import MANUAL, OBJECTIVES, PLAN_MODES, format_bytes, short_device
 from tfnb.placement.cost import (DEFAULT_CONTEXT_LEN, Prediction, Topology, check_assignment,
-                                 check_load, predict, predict_replicated, short_device)
+                                 check_load, predict, predict_replicated)
 
-__all__ = ["Plan", "PlanDiff", "Segment", "MODES", "OBJECTIVES"]
+__all__ = ["Plan", "PlanDiff", "Segment"]
 
-MODES = ("optimal", "greedy", "memory", "replicate", "manual")
-OBJECTIVES = ("latency", "throughput")
 _FORMAT = "tfnb.plan"
 
 
@@ -104,7 +103,7 @@ class Plan:
     """
 
     assignment: dict
-    mode: str = "manual"
+    mode: str = MANUAL
     objective: str = "latency"
     batch: int = 1
     context_len: int = DEFAULT_CONTEXT_LEN
@@ -118,8 +117,8 @@ class Plan:
                 isinstance(k, str) and isinstance(v, str) and v for k, v in a.items()):
             raise PlacementError(f"assignment={a!r:.80}: expected a non-empty dict stage -> "
                                  "device string")
-        if self.mode not in MODES:
-            raise PlacementError(f"mode={self.mode!r}: expected one of {list(MODES)}")
+        if self.mode not in PLAN_MODES:
+            raise PlacementError(f"mode={self.mode!r}: expected one of {list(PLAN_MODES)}")
         if self.objective not in OBJECTIVES:
             raise PlacementError(f"objective={self.objective!r}: expected one of "
                                  f"{list(OBJECTIVES)}")
@@ -135,7 +134,7 @@ class Plan:
     # --- building and checking --------------------------------------------------------------
     @classmethod
     def from_assignment(cls, chain, assignment: dict, topology: Topology, batch: int = 1,
-                        context_len: int | None = None, mode: str = "manual",
+                        context_len: int | None = None, mode: str = MANUAL,
                         objective: str = "latency", replicas=(), planner_s: float = 0.0) -> "Plan":
         """A validated plan for ``assignment`` with its predicted figures.
 
@@ -163,9 +162,10 @@ class Plan:
         if over:
             dev, (need, cap) = next(iter(over.items()))
             raise PlacementError(
-                f"device {dev!r} would hold {need / 1e6:,.1f} MB (parameters + KV cache at batch "
-                f"{self.batch}, context {self.context_len}) but has {cap / 1e6:,.1f} MB: "
-                f"{(need - cap) / 1e6:,.1f} MB over; move stages elsewhere or raise max_memory")
+                f"device {dev!r} would hold {format_bytes(need, 'MB', 1)} (parameters + KV cache "
+                f"at batch {self.batch}, context {self.context_len}) but has "
+                f"{format_bytes(cap, 'MB', 1)}: {format_bytes(need - cap, 'MB', 1)} over; move "
+                "stages elsewhere or raise max_memory")
 
     def validate(self, chain, topology) -> "Plan":
         """Raise PlacementError if the plan does not fit ``chain`` and ``topology``; else self.
@@ -382,12 +382,10 @@ def _names_source(stages) -> str:
     """``["embed", *(f"block.{i}" for i in range(0, 9))]`` for runs of numbered blocks."""
     parts, i = [], 0
     while i < len(stages):
-        m = re.fullmatch(r"block\.(\d+)", stages[i])
-        j = i
-        while m and j + 1 < len(stages) and stages[j + 1] == f"block.{int(m.group(1)) + j + 1 - i}":
+        a, j = block_index(stages[i]), i
+        while a is not None and j + 1 < len(stages) and stages[j + 1] == block_stage(a + j + 1 - i):
             j += 1
-        if m and j - i >= 2:
-            a = int(m.group(1))
+        if a is not None and j - i >= 2:
             parts.append(f'*(f"block.{{i}}" for i in range({a}, {a + j - i + 1}))')
         else:
             parts += [json.dumps(s) for s in stages[i:j + 1]]

@@ -27,18 +27,16 @@ import time
 import warnings
 
 from tfnb.errors import PlacementError
-from tfnb.placement.cost import (Topology, check_load, predict, short_device, stage_memory)
-from tfnb.placement.optimal import TooLarge as _TooLarge, exact_is_feasible, optimal_segments
-from tfnb.placement.plan import MODES, OBJECTIVES, Plan
+from tfnb.names import OBJECTIVES, PLANNERS, format_bytes, short_device
+from tfnb.placement.cost import Topology, check_load, predict, stage_memory
+from tfnb.placement import measure
+from tfnb.placement.optimal import TooLarge, exact_is_feasible, optimal_segments
+from tfnb.placement.plan import Plan
 
 BEAM = 16  # states kept per level when the exact search is too large (200 stages x 16 kinds: < 1 s)
 
 __all__ = ["plan", "memory_assignment", "greedy_assignment", "optimal_assignment",
            "replicate_devices", "as_topology"]
-
-
-def _mb(n: float) -> str:
-    return f"{n / 1e6:,.0f} MB"
 
 
 def _chain(model_or_chain):
@@ -67,13 +65,11 @@ def as_topology(cluster_or_topology, model=None, batch: int = 1,
     if isinstance(cluster_or_topology, Topology):
         return cluster_or_topology
     if hasattr(cluster_or_topology, "devices") and hasattr(cluster_or_topology, "status"):
-        from tfnb.placement.measure import calibrate, measure_topology
-
-        topo = measure_topology(cluster_or_topology)
+        topo = measure.measure_topology(cluster_or_topology)
         if _placeable(model):
             batch, context_len = check_load(batch, context_len)
-            topo = topo.with_stage_times(calibrate(model, cluster_or_topology, topo, batch=batch,
-                                                   context_len=context_len))
+            topo = topo.with_stage_times(measure.calibrate(model, cluster_or_topology, topo,
+                                                           batch=batch, context_len=context_len))
         return topo
     if isinstance(cluster_or_topology, (list, tuple, str)):
         return Topology(cluster_or_topology)
@@ -94,17 +90,19 @@ def _check_fits(chain, topo: Topology, batch: int, context_len: int) -> None:
     total = float(topo.memory.sum())
     if params + kv > total:
         raise PlacementError(
-            f"the model needs {_mb(params)} + {_mb(kv)} KV (batch {batch}, context "
-            f"{context_len}), the largest device set (all {len(topo.devices)} devices) has "
-            f"{_mb(total)}: {_mb(params + kv - total)} short")
+            f"the model needs {format_bytes(params, 'MB')} + {format_bytes(kv, 'MB')} KV (batch "
+            f"{batch}, context {context_len}), the largest device set (all {len(topo.devices)} "
+            f"devices) has {format_bytes(total, 'MB')}: "
+            f"{format_bytes(params + kv - total, 'MB')} short")
     needs = stage_memory(chain, batch, context_len)
     k = max(range(len(needs)), key=needs.__getitem__)
     big = int(topo.memory.argmax())
     if needs[k] > topo.memory[big]:
         raise PlacementError(
-            f"stage {chain.names[k]!r} needs {_mb(needs[k])} with its KV cache, the largest "
-            f"device ({short_device(topo.devices[big])}) has {_mb(topo.memory[big])}: "
-            f"{_mb(needs[k] - topo.memory[big])} short (a stage is never split)")
+            f"stage {chain.names[k]!r} needs {format_bytes(needs[k], 'MB')} with its KV cache, "
+            f"the largest device ({short_device(topo.devices[big])}) has "
+            f"{format_bytes(topo.memory[big], 'MB')}: "
+            f"{format_bytes(needs[k] - topo.memory[big], 'MB')} short (a stage is never split)")
 
 
 def replicate_devices(chain, topo: Topology, batch: int = 1, context_len: int = 0) -> list[str]:
@@ -115,8 +113,9 @@ def replicate_devices(chain, topo: Topology, batch: int = 1, context_len: int = 
     for dev, cap in zip(topo.devices, topo.memory):
         if need > cap:
             raise PlacementError(
-                f"replicate: a full copy needs {_mb(need - kv)} + {_mb(kv)} KV (batch share "
-                f"{share}), device {dev!r} has {_mb(cap)}: {_mb(need - cap)} short; "
+                f"replicate: a full copy needs {format_bytes(need - kv, 'MB')} + "
+                f"{format_bytes(kv, 'MB')} KV (batch share {share}), device {dev!r} has "
+                f"{format_bytes(cap, 'MB')}: {format_bytes(need - cap, 'MB')} short; "
                 "mode='optimal' splits the model instead")
     return list(topo.devices)
 
@@ -139,8 +138,9 @@ def memory_assignment(chain, topo: Topology, batch: int = 1, context_len: int = 
             cur, used = cur + 1, 0
             if cur == len(order):
                 raise PlacementError(
-                    f"memory planner: stage {stage.name!r} ({_mb(need)}) does not fit on any "
-                    f"device left after filling in order; mode='optimal' may still find a split")
+                    f"memory planner: stage {stage.name!r} ({format_bytes(need, 'MB')}) does not "
+                    "fit on any device left after filling in order; mode='optimal' may still "
+                    "find a split")
         out[stage.name] = topo.devices[order[cur]]
         used += need
     return out
@@ -172,9 +172,9 @@ def greedy_assignment(chain, topo: Topology, batch: int = 1, context_len: int = 
         if best is None:
             d = int(free.argmax())
             raise PlacementError(
-                f"greedy planner: stage {stage.name!r} needs {_mb(need)} and the most room left "
-                f"is {_mb(free[d])} on {short_device(topo.devices[d])}; mode='optimal' may still "
-                "find a split")
+                f"greedy planner: stage {stage.name!r} needs {format_bytes(need, 'MB')} and the "
+                f"most room left is {format_bytes(free[d], 'MB')} on "
+                f"{short_device(topo.devices[d])}; mode='optimal' may still find a split")
         ready, prev = best
         busy_until[prev] = ready
         free[prev] -= need
@@ -210,7 +210,7 @@ def optimal_assignment(chain, topo: Topology, batch: int = 1, context_len: int =
     if exact:
         try:
             segs, _ = optimal_segments(chain, topo, batch, context_len, objective, bound)
-        except _TooLarge:
+        except TooLarge:
             exact = False
     if not exact:
         warnings.warn(f"optimal planner: {len(topo.classes())} kinds of device among "
@@ -225,8 +225,9 @@ def optimal_assignment(chain, topo: Topology, batch: int = 1, context_len: int =
     if not candidates:
         raise PlacementError(
             f"no split of the {len(chain)} stages into contiguous runs, one per device, fits "
-            f"the memory caps ({_mb(sum(stage_memory(chain, batch, context_len)))} needed, "
-            f"{_mb(float(topo.memory.sum()))} in all; stages are never split)")
+            f"the memory caps ({format_bytes(sum(stage_memory(chain, batch, context_len)), 'MB')}"
+            f" needed, {format_bytes(float(topo.memory.sum()), 'MB')} in all; stages are never "
+            "split)")
     least = min(v for v, _ in candidates)  # ties (within float rounding): the pipeline found,
     return next(a for v, a in candidates if v <= least * (1 + 1e-9))  # the most even of them
 
@@ -257,8 +258,8 @@ def plan(model_or_chain, cluster_or_topology, mode: str = "optimal", objective: 
     >>> p.segments()
     [Segment(a: embed .. block.0 (2)), Segment(b: block.1 .. head (2))]
     """
-    if mode not in MODES or mode == "manual":
-        raise PlacementError(f"mode={mode!r}: expected one of {list(MODES[:-1])}")
+    if mode not in PLANNERS:
+        raise PlacementError(f"mode={mode!r}: expected one of {list(PLANNERS)}")
     if objective not in OBJECTIVES:
         raise PlacementError(f"objective={objective!r}: expected one of {list(OBJECTIVES)}")
     chain = _chain(model_or_chain)
