@@ -16,8 +16,12 @@ def _step(text: str) -> float:
     return time.perf_counter()
 
 
-def run_demo(out_dir: str = "demo-output", notebook: str | None = "notebooks/01-quickstart.ipynb") -> dict:
+def run_demo(out_dir: str = "demo-output", notebook: str | None = "notebooks/01-quickstart.ipynb",
+             model: str = "smollm2") -> dict:
     """Run the demo; returns the paths it wrote and the answer.
+
+    ``model="tiny"`` runs the same steps with a small random model (no cap on memory), in
+    seconds instead of minutes: a check of the path, not of the answers.
 
     Examples
     --------
@@ -25,6 +29,12 @@ def run_demo(out_dir: str = "demo-output", notebook: str | None = "notebooks/01-
     """
     import tfnb
     from tfnb.cluster.security import ExposedServerWarning
+    from tfnb.errors import ModelError
+    from tfnb.models import tiny
+
+    which = model
+    if which not in ("smollm2", "tiny"):
+        raise ModelError(f"model={which!r}; the demo runs 'smollm2' or 'tiny'")
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -36,11 +46,18 @@ def run_demo(out_dir: str = "demo-output", notebook: str | None = "notebooks/01-
         print(f"security: {w.message}")
     print(cluster.status(), f"\n({time.perf_counter() - t:.1f} s)")
     try:
-        t = _step("loading SmolLM2-135M-Instruct from its package (no network)")
-        model = tfnb.load_model("smollm2")
+        if which == "tiny":
+            t = _step("making a tiny random llama (a check of the path: its answers are noise)")
+            model = tiny("llama")
+            cap = None
+        else:
+            t = _step("loading SmolLM2-135M-Instruct from its package (no network)")
+            model = tfnb.load_model("smollm2")
+            cap = "400MB"
         print(model, f"({time.perf_counter() - t:.1f} s)")
-        t = _step("planning: measuring the cluster, then the optimal split under a 400 MB cap per worker")
-        plan = tfnb.plan(model, cluster, max_memory="400MB")
+        t = _step("planning: measuring the cluster, then the optimal split"
+                  + (f" under a {cap} cap per worker" if cap else ""))
+        plan = tfnb.plan(model, cluster, max_memory=cap)
         print(plan, f"\n({time.perf_counter() - t:.1f} s)")
         t = _step("placing the weights on the workers")
         placed = tfnb.place(model, plan, cluster)

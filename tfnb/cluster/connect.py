@@ -197,9 +197,16 @@ class Cluster:
                 _current = None
 
     def stop(self) -> None:
-        """Disconnect and stop the worker processes tfnb started for this cluster."""
+        """Disconnect and stop the worker processes tfnb started for this cluster.
+
+        Functions and tensors nobody holds any more are released while the workers still
+        answer, so TensorFlow does not log a failed remote clean-up for each of them later.
+        """
         self.disconnect()
         if self.local is not None:
+            import gc
+
+            gc.collect()
             self.local.close()
 
     close = stop
@@ -223,6 +230,9 @@ class Cluster:
 def _tell_tensorflow(spec: ClusterSpec, client_address: str) -> None:
     import tensorflow as tf
 
+    from tfnb.cluster.tflog import skip_remote_cleanup_at_exit
+
+    skip_remote_cleanup_at_exit()  # at exit, no "Failed to remove function remotely" per function
     # Remote ops go as unary Enqueue RPCs, not over TF's streaming enqueue. Probed (TF 2.21):
     # after an op failed on a killed worker, the next connect to another cluster hung for good in
     # 3 of 4 runs with streaming (EagerExecutor::WaitForAllPendingNodes, holding the GIL, so no
