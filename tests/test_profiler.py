@@ -135,8 +135,8 @@ def test_views_and_exports(split, tmp_path):
         assert prof.plot(kind).axes
     assert prof.plot("stages", assignment={"first": split.w0}).axes
     html = prof._repr_html_()
-    assert "data:image/png;base64," in html and "worker/1 CPU:0" in html and html == prof._repr_html_()
-    assert "worker/0 CPU:0 -> worker/1 CPU:0" in str(prof)
+    assert "data:image/png;base64," in html and "worker:1/CPU:0" in html and html == prof._repr_html_()
+    assert "worker:0/CPU:0 -> worker:1/CPU:0" in str(prof)
     prof.save(tmp_path / "p.png")
     prof.save(tmp_path / "p.svg", kind="timeline")
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG" and b"<svg" in (tmp_path / "p.svg").read_bytes()

@@ -70,7 +70,9 @@ import threading
 import time
 import uuid
 
+from tfnb.cluster.connect import CLIENT_JOB, current
 from tfnb.errors import NotConnectedError, ProfileError
+from tfnb.profiler.rpc import ProfilerStub, messages, options
 
 HOST_TRACER_LEVEL = 3  # 3 adds the input shapes that transfer sizes are read from (see xplane.py)
 _active: set = set()   # captures whose block is running
@@ -107,8 +109,6 @@ class Capture:
     """One capture over a cluster's workers and this process; made by :func:`profile`."""
 
     def __init__(self, cluster, *, timeout: float = 60.0):
-        from tfnb.cluster.connect import CLIENT_JOB
-
         self.timeout = float(timeout)
         self.targets = list(zip(cluster.workers, cluster.spec.addresses))
         if getattr(cluster, "client_address", None):  # this process's own TF server
@@ -122,8 +122,6 @@ class Capture:
 
     def start(self) -> None:
         """Start a session on every target at once; returns when each has answered (or failed)."""
-        from tfnb.profiler.rpc import ProfilerStub, messages, options
-
         limit = min(self.timeout, 10.0)
         addresses = {a for _, a in self.targets}
         for prior in list(_pending):  # a server runs one session at a time: let earlier ones end
@@ -153,8 +151,6 @@ class Capture:
 
     def stop(self) -> Collection:
         """End the trace window now; the traces follow in the background (see :class:`Collection`)."""
-        from tfnb.profiler.rpc import messages
-
         self.t_end = time.time_ns()
         _active.discard(self)
         empty = messages()["Empty"]
@@ -180,8 +176,6 @@ class Collection:
     reads the profile."""
 
     def __init__(self, cap: Capture, calls: dict):
-        from tfnb.profiler.rpc import messages
-
         self.t_begin, self.t_end = cap.t_begin, cap.t_end
         self.timeout = cap.timeout
         self.address = dict(cap.targets)
@@ -252,8 +246,6 @@ def _stop_all() -> None:
 def resolve_cluster(cluster):
     """The cluster to profile: the given one, else the connected one; ProfileError if none."""
     if cluster is None:
-        from tfnb.cluster.connect import current
-
         try:
             cluster = current()
         except NotConnectedError:

@@ -5,7 +5,7 @@ import json
 import time
 from pathlib import Path
 
-from tfnb.profiler.profile import short
+from tfnb.names import short_device
 
 
 def _host_name(host: str) -> str:
@@ -27,7 +27,7 @@ def chrome_trace(prof, path) -> str:
     one thread per traced thread, times in µs since the block started (merged clock)."""
     events, tids = [], {}
     for pid, dev in enumerate(prof.devices):
-        events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": short(dev)}})
+        events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": short_device(dev)}})
     pids = {d: i for i, d in enumerate(prof.devices)}
     for e in prof.events:
         tid = tids.setdefault((e.device, e.thread), len(tids))

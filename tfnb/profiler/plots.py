@@ -3,7 +3,7 @@ window, no pyplot state; callers show or save the returned Figure)."""
 from __future__ import annotations
 
 from tfnb.errors import ProfileError
-from tfnb.profiler.profile import short
+from tfnb.names import short_device
 
 COLORS = {"compute": "#4c78a8", "send/receive": "#f58518", "idle": "#d9d9d9"}
 
@@ -18,7 +18,7 @@ def _new(nrows=1, ncols=1, size=(7.0, 3.0)):
 def busy(prof, ax) -> None:
     """Stacked horizontal bars per device: compute, send/receive, idle (ms)."""
     rows = prof.busy()
-    labels = [short(r["device"]) for r in rows]
+    labels = [short_device(r["device"]) for r in rows]
     left = [0.0] * len(rows)
     for key, cat in (("compute_ms", "compute"), ("send_recv_ms", "send/receive"), ("idle_ms", "idle")):
         vals = [r[key] for r in rows]
@@ -39,7 +39,7 @@ def timeline(prof, ax, max_ops: int = 20000) -> None:
                      if e.device == dev and e.category == cat]
             if spans:
                 ax.broken_barh(spans, (i - 0.4, 0.8), facecolors=COLORS[cat], label=cat if i == 0 else None)
-    ax.set_yticks(range(len(lanes)), [short(d) for d in lanes])
+    ax.set_yticks(range(len(lanes)), [short_device(d) for d in lanes])
     ax.set_ylim(len(lanes) - 0.5, -0.5)
     ax.set_xlim(0, max(prof.wall_ms, 1e-3))
     ax.set_xlabel("ms since the block started")
@@ -50,7 +50,7 @@ def transfers(prof, ax, function=None) -> None:
     """Heatmap of bytes sent, source (rows) x destination (columns)."""
     devs, nbytes, count = prof.transfer_matrix(function)
     im = ax.imshow(nbytes, cmap="Oranges")
-    names = [short(d) for d in devs]
+    names = [short_device(d) for d in devs]
     ax.set_xticks(range(len(devs)), names, rotation=30, ha="right")
     ax.set_yticks(range(len(devs)), names)
     for i in range(len(devs)):

@@ -1,23 +1,20 @@
 """The :class:`Profile` data object: tables computed from the captured events, several views."""
 from __future__ import annotations
 
+import base64
 import html
+import io
 import re
 from collections.abc import Mapping
+from pathlib import Path
 
 from tfnb.errors import ProfileError
+from tfnb.names import short_device
+from tfnb.profiler import export, plots
+from tfnb.profiler.build import build
 from tfnb.profiler.xplane import op_kind
 
 _MS = 1e6
-
-
-def short(device: str) -> str:
-    """``/job:worker/replica:0/task:1/device:CPU:0`` -> ``worker/1 CPU:0``."""
-    m = re.match(r"/job:([^/]+)/replica:\d+/task:(\d+)(?:/device:(.+))?$", device)
-    if not m:
-        return device
-    job = "client" if m.group(1) == "tfnb_client" else f"{m.group(1)}/{m.group(2)}"
-    return f"{job} {m.group(3)}" if m.group(3) else job
 
 
 def union_ns(intervals, lo: int, hi: int) -> int:
@@ -120,8 +117,6 @@ class Profile:
         if not self._ready:
             raise ProfileError("the capture is still running; read the profile after the `with` block")
         if self._built is None:
-            from tfnb.profiler.build import build
-
             raw = self._collected()
             built = build(raw)
             devs = [f"{w}/device:CPU:0" for w in raw["workers"] if w in raw["spaces"]]
@@ -327,7 +322,7 @@ class Profile:
         for stage, devs in assignment.items():
             devs = [devs] if isinstance(devs, str) else list(devs)
             full = [d for d in self.devices if any(d == x or d.startswith(x.rstrip("/") + "/") or
-                                                     short(d) == x for x in devs)]
+                                                     short_device(d) == x for x in devs)]
             if not full:
                 raise ProfileError(f"stage {stage!r}: device {devs!r} was not traced; traced: {self.devices}")
             evs = [e for e in self.events if e.device in full and e.category == "compute"]
@@ -362,14 +357,10 @@ class Profile:
         >>> fig = prof.plot("timeline")                             # doctest: +SKIP
         """
         self._check()
-        from tfnb.profiler import plots
-
         return plots.figure(self, kind, **kwargs)
 
     def save(self, path, kind: str = "summary", **kwargs) -> None:
         """Write a figure to ``path`` (``.png`` or ``.svg``)."""
-        from pathlib import Path
-
         suffix = Path(path).suffix.lower()
         if suffix not in (".png", ".svg"):
             raise ProfileError(f"path={str(path)!r}; expected a .png or .svg file name")
@@ -379,22 +370,15 @@ class Profile:
         """Write the raw traces where TensorBoard's profile plugin reads them; returns the run dir."""
         if not self._ready:
             self._check()  # raises: still capturing
-        from tfnb.profiler.export import tensorboard
-
-        return tensorboard(self, logdir)
+        return export.tensorboard(self, logdir)
 
     def export_chrome_trace(self, path) -> str:
         """Write the merged timeline as Chrome / Perfetto trace JSON; returns the path."""
         self._check()
-        from tfnb.profiler.export import chrome_trace
-
-        return chrome_trace(self, path)
+        return export.chrome_trace(self, path)
 
     def _summary_png(self) -> str:
         if "png" not in self._figure_cache:
-            import base64
-            import io
-
             buf = io.BytesIO()  # memory only: _repr_html_ does no I/O
             self.plot("summary").savefig(buf, format="png", dpi=72, bbox_inches="tight")
             self._figure_cache["png"] = base64.b64encode(buf.getvalue()).decode()
@@ -412,11 +396,11 @@ class Profile:
         lines = [repr(self)]
         lines += [f"  not traced: {k}: {v}" for k, v in self.reasons.items()]
         lines.append(f"  {'device':<22}{'compute':>10}{'send/recv':>11}{'idle':>10}  (ms)")
-        lines += [f"  {short(r['device']):<22}{r['compute_ms']:>10.2f}{r['send_recv_ms']:>11.2f}{r['idle_ms']:>10.2f}"
+        lines += [f"  {short_device(r['device']):<22}{r['compute_ms']:>10.2f}{r['send_recv_ms']:>11.2f}{r['idle_ms']:>10.2f}"
                   for r in self.busy()]
         for t in self.transfers():
             unknown = f" ({t['unknown']} of untraced size)" if t["unknown"] else ""
-            lines.append(f"  {short(t['source'])} -> {short(t['destination'])}: {t['bytes']} B in {t['count']} transfers{unknown}")
+            lines.append(f"  {short_device(t['source'])} -> {short_device(t['destination'])}: {t['bytes']} B in {t['count']} transfers{unknown}")
         return "\n".join(lines)
 
     def _repr_pretty_(self, p, cycle) -> None:
@@ -430,7 +414,7 @@ class Profile:
         if self.partial:
             out.append("<ul>" + "".join(f"<li>not traced: {esc(k)}: {esc(v)}</li>" for k, v in self.reasons.items()) + "</ul>")
         head = "".join(f"<th>{h}</th>" for h in ("device", "compute ms", "send/recv ms", "idle ms", "ops"))
-        body = "".join(f"<tr><td>{esc(short(r['device']))}</td><td>{r['compute_ms']:.2f}</td><td>{r['send_recv_ms']:.2f}</td>"
+        body = "".join(f"<tr><td>{esc(short_device(r['device']))}</td><td>{r['compute_ms']:.2f}</td><td>{r['send_recv_ms']:.2f}</td>"
                        f"<td>{r['idle_ms']:.2f}</td><td>{r['ops']}</td></tr>" for r in self.busy())
         out.append(f"<table><tr>{head}</tr>{body}</table>")
         if self.events:
