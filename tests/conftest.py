@@ -58,3 +58,21 @@ def ipython():
     shell = get_ipython()
     shell.run_line_magic("load_ext", "tfnb")
     return shell
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """One line at the end: how many tests skipped, grouped by reason (machines differ: root,
+    ``ip netns``, nftables, chromium), so two runs can be compared at a glance."""
+    import collections
+
+    reasons = collections.Counter()
+    for rep in terminalreporter.stats.get("skipped", []):
+        longrepr = rep.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+        reasons[reason.removeprefix("Skipped: ").strip()] += 1
+    total = sum(reasons.values())
+    if not total:
+        terminalreporter.write_line("skipped: none")
+        return
+    parts = "; ".join(f"{n} x {why}" for why, n in reasons.most_common())
+    terminalreporter.write_line(f"skipped: {total} ({parts})")
