@@ -171,15 +171,17 @@ def test_progress_true_prints_a_bar_in_a_terminal(tmp_path, capsys):
 
 def test_widget_reporter_tracks_progress():
     pytest.importorskip("ipywidgets")
-    from tfnb.models.progress import WidgetReporter, in_kernel
+    from tqdm.notebook import tqdm
 
-    assert not in_kernel()  # so progress=True used the text bar above
-    report = WidgetReporter()
+    from tfnb.models.progress import TqdmReporter
+
+    report = TqdmReporter(tqdm_class=tqdm, mininterval=0)  # the bar tqdm.auto picks in Jupyter
     report(3, 10, "dequantizing")
-    assert (report._bar.value, report._bar.max) == (3, 10)
-    assert report._label.value == "dequantizing 3/10"
+    label, bar, counts = report.bar.container.children
+    assert (bar.value, bar.max) == (3, 10)
+    assert label.value.startswith("dequantizing") and "3/10" in counts.value
     report(10, 10, "dequantizing")
-    assert report._bar.bar_style == "success"
+    assert bar.value == 10 and bar.bar_style == "success"
 
 
 @pytest.fixture(scope="module")

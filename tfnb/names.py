@@ -11,7 +11,8 @@ the magics, the widgets, the profiler) can share them:
 - ``EDITOR_MODES``: the placement editor's and ``%tfplace --mode``'s ``AUTO`` (a planner fills
   the rows) or ``MANUAL`` (rows edited by hand).
 - :func:`short_device` labels a device the same way in every view (plans, widgets, profiles).
-- :func:`format_bytes` writes a byte count in decimal units everywhere.
+- :func:`format_bytes` writes a byte count in decimal units everywhere, :func:`format_count` a
+  count of parameters or FLOPs.
 
 Examples
 --------
@@ -26,7 +27,7 @@ import math
 import re
 
 __all__ = ["PLANNERS", "PIPELINE_PLANNERS", "PLAN_MODES", "OBJECTIVES", "EDITOR_MODES", "AUTO",
-           "MANUAL", "short_device", "format_bytes"]
+           "MANUAL", "short_device", "format_bytes", "format_count"]
 
 MANUAL = "manual"
 AUTO = "auto"
@@ -85,3 +86,17 @@ def format_bytes(n: float, unit: str | None = None, decimals: int = 0) -> str:
         if abs(n) >= size:
             return f"{n / size:.3g} {name}"
     return f"{n:.0f} B"
+
+
+def format_count(n: float) -> str:
+    """A count with an SI suffix (k, M, G, T) and 3 significant digits.
+
+    Examples
+    --------
+    >>> format_count(1234567), format_count(512), format_count(2.5e12)
+    ('1.23M', '512', '2.5T')
+    """
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{n:.0f}"

@@ -30,6 +30,8 @@ from typing import Iterator
 import numpy as np
 
 from tfnb.errors import ModelError
+from tfnb.models.llama import weight_shapes
+from tfnb.names import format_bytes, format_count
 
 __all__ = ["Stage", "LayerChain", "llama_chain", "variables_chain", "keras_chain", "STAGE_KINDS",
            "block_stage", "block_index", "is_block", "stage_names"]
@@ -125,18 +127,6 @@ class Stage:
                 "n_weights": len(self.weight_names)}
 
 
-def _mb(n: float) -> str:
-    return f"{n / 1e6:.2f} MB"
-
-
-def _si(n: float) -> str:
-    """1234567 -> '1.23M' (k, M, G, T)."""
-    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.3g}{unit}"
-    return f"{n:.0f}"
-
-
 class LayerChain:
     """An ordered, read-only sequence of ``Stage`` objects, indexable by position or name.
 
@@ -220,7 +210,8 @@ class LayerChain:
                 j += 1
             name = s.name if j == i else f"{s.name} .. {self._stages[j].name}"
             each = " each" if j > i else ""
-            rows.append((name, s.kind, _mb(s.param_bytes) + each, _si(s.flops_per_token),
+            rows.append((name, s.kind, format_bytes(s.param_bytes, "MB", 2) + each,
+                         format_count(s.flops_per_token),
                          f"{s.act_bytes_out_per_token:,} B", f"{s.kv_bytes_per_token:,} B"))
             i = j + 1
         return rows
@@ -231,22 +222,24 @@ class LayerChain:
         rows = [self._HEADER] + self._summary_rows()
         widths = [max(len(r[c]) for r in rows) for c in range(len(self._HEADER))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-        lines.append(f"{len(self)} stages, {_mb(self.total_param_bytes)} in stages "
-                     f"({_mb(self.unique_param_bytes)} unique)")
+        lines.append(self._total_line())
         return "\n".join(lines)
 
     def __repr__(self) -> str:
         return (f"LayerChain({len(self)} stages: {', '.join(self.names[:2])}"
                 f"{', ...' if len(self) > 3 else ''}{', ' + self.names[-1] if len(self) > 2 else ''};"
-                f" {_mb(self.total_param_bytes)})")
+                f" {format_bytes(self.total_param_bytes, 'MB', 2)})")
 
     def _repr_html_(self) -> str:
         head = "".join(f"<th>{html.escape(h)}</th>" for h in self._HEADER)
         body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>"
                        for row in self._summary_rows())
         return (f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
-                f"<p>{len(self)} stages, {_mb(self.total_param_bytes)} in stages "
-                f"({_mb(self.unique_param_bytes)} unique)</p>")
+                f"<p>{html.escape(self._total_line())}</p>")
+
+    def _total_line(self) -> str:
+        return (f"{len(self)} stages, {format_bytes(self.total_param_bytes, 'MB', 2)} in stages "
+                f"({format_bytes(self.unique_param_bytes, 'MB', 2)} unique)")
 
 
 def llama_chain(config) -> LayerChain:
@@ -258,8 +251,6 @@ def llama_chain(config) -> LayerChain:
     >>> llama_chain(tiny_config())["block.1"].kv_bytes_per_token   # 2 x 2 kv heads x 16 x 4
     256
     """
-    from tfnb.models.llama import weight_shapes
-
     shapes = weight_shapes(config)
     nbytes = {n: int(np.prod(s)) * _F32 for n, s in shapes.items()}
     d, hd = config.hidden_size, config.head_dim

@@ -10,6 +10,8 @@ import os
 import zipfile
 
 from tfnb.errors import ModelError
+from tfnb.models.chain import variables_chain
+from tfnb.models.tokenizer import Tokenizer
 
 __all__ = ["load_hf_dir", "load_keras_file", "hf_blocks", "hf_chain", "tied_embedding_names",
            "LLAMA_FAMILY"]
@@ -58,8 +60,6 @@ def _load_tokenizer(path: str):
         return None
     from transformers import AutoTokenizer
 
-    from tfnb.models.tokenizer import Tokenizer
-
     try:
         hf_tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as exc:  # noqa: BLE001
@@ -107,8 +107,6 @@ def hf_chain(hf_model):
     >>> hf_chain(gpt2_model).names  # doctest: +SKIP
     ['embed', 'block.0', 'block.1', 'head']
     """
-    from tfnb.models.chain import variables_chain
-
     cfg = hf_model.config
     hidden, heads = cfg.hidden_size, cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads

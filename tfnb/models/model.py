@@ -10,8 +10,12 @@ import numpy as np
 
 from tfnb.errors import ModelError
 from tfnb.models import llama
-from tfnb.models.chain import LayerChain, _si, keras_chain, llama_chain
+from tfnb.models.chain import LayerChain, keras_chain, llama_chain
+from tfnb.models.gguf_io import read_gguf
+from tfnb.models.hf_io import LLAMA_FAMILY, hf_chain, load_hf_dir, load_keras_file
 from tfnb.models.progress import make_reporter
+from tfnb.models.tokenizer import CharTokenizer
+from tfnb.names import format_bytes, format_count
 
 __all__ = ["Model", "load_model", "tiny", "MODEL_NAMES", "TINY_ARCHS", "smollm2_path"]
 
@@ -64,8 +68,6 @@ class Model:
             if self.arch == "llama":
                 self._chain = llama_chain(self.config)
             elif self.arch == "hf":
-                from tfnb.models.hf_io import hf_chain
-
                 self._chain = hf_chain(self.hf_model)
             else:
                 self._chain = keras_chain(self.keras_model)
@@ -116,8 +118,8 @@ class Model:
 
     def __repr__(self) -> str:
         n = self.n_params
-        return (f"Model({self.name!r}, arch={self.arch!r}, {_si(n)} params, "
-                f"{n * 4 / 1e6:.1f} MB)")
+        return (f"Model({self.name!r}, arch={self.arch!r}, {format_count(n)} params, "
+                f"{format_bytes(n * 4, 'MB', 1)})")
 
 
 def smollm2_path() -> str:
@@ -194,8 +196,6 @@ def load_model(name_or_path, *, progress=True) -> Model:
                              f"{list(MODEL_NAMES)}, or a path to a .gguf file, a save_pretrained "
                              "directory or a .keras file")
     if os.path.isdir(path):
-        from tfnb.models.hf_io import LLAMA_FAMILY, load_hf_dir
-
         report(0, 1, "loading HF")
         hf_model, tokenizer = load_hf_dir(path)
         report(1, 1, "loading HF")
@@ -204,8 +204,6 @@ def load_model(name_or_path, *, progress=True) -> Model:
         return Model(os.path.basename(os.path.normpath(path)), "hf", hf_model.config, tokenizer,
                      hf_model=hf_model, source=path)
     if _is_gguf(path):
-        from tfnb.models.gguf_io import read_gguf
-
         config, weights, tokenizer, name = read_gguf(path, report)
         if text.lower() in MODEL_NAMES:
             name = text.lower()
@@ -214,8 +212,6 @@ def load_model(name_or_path, *, progress=True) -> Model:
         raise ModelError(f"{text!r} is not a GGUF file (no 'GGUF' magic bytes): expected a "
                          "complete .gguf file")
     if path.endswith(".keras") or _looks_like_zip(path):
-        from tfnb.models.hf_io import load_keras_file
-
         report(0, 1, "loading Keras")
         keras_model = load_keras_file(path)
         report(1, 1, "loading Keras")
@@ -244,8 +240,6 @@ def tiny(arch: str = "llama", seed: int = 0) -> Model:
     >>> m.tokenizer.decode(m.tokenizer.encode("hello"))
     'hello'
     """
-    from tfnb.models.tokenizer import CharTokenizer
-
     if arch == "llama":
         config = llama.tiny_config()
         return Model("tiny-llama", "llama", config, CharTokenizer(config.vocab_size),
