@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from tfnb.models.chain import block_stage
+
 CONFIGS = ("hf-eager", "hf-xla", "tf-device", "tfnb-1", "tfnb-2")
 PROMPT = "What is the capital of France?"
 
@@ -56,12 +58,12 @@ def _hf_runner(model, ids, config: str, cluster=None):
     hf.generation_config.eos_token_id = None  # generate exactly n tokens, as every configuration
     hf.config.eos_token_id = None
     if config == "tf-device":
-        from tfnb.runtime.devices import even_split
+        from tfnb.runtime.devices import even_split  # tfnb.runtime imports TensorFlow
 
-        blocks = [f"block.{i}" for i in range(model.config.n_layers)]
+        blocks = [block_stage(i) for i in range(model.config.n_layers)]
         where = even_split(blocks, cluster.devices)
         for i, layer in enumerate(hf.model.layers):
-            layer.call = _on_device(layer.call, where[f"block.{i}"])
+            layer.call = _on_device(layer.call, where[block_stage(i)])
     x = tf.constant([ids], tf.int32)
     def make(n):
         def gen(input_ids):
@@ -85,7 +87,7 @@ def run_one(config: str, new_tokens: int = 48, repeat: int = 2, model_name: str 
     """Measure one configuration in this process; returns a row of the results table."""
     import warnings
 
-    import tfnb
+    import tfnb  # here: each configuration runs in a fresh process that then imports TensorFlow
     from tfnb.cluster.security import ExposedServerWarning
 
     warnings.simplefilter("ignore", ExposedServerWarning)
