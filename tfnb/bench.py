@@ -23,8 +23,11 @@ import resource
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
+import tfnb
+from tfnb.cluster.security import ExposedServerWarning
 from tfnb.models.chain import block_stage
 
 CONFIGS = ("hf-eager", "hf-xla", "tf-device", "tfnb-1", "tfnb-2")
@@ -85,11 +88,6 @@ def _on_device(call, device):
 
 def run_one(config: str, new_tokens: int = 48, repeat: int = 2, model_name: str = "smollm2") -> dict:
     """Measure one configuration in this process; returns a row of the results table."""
-    import warnings
-
-    import tfnb  # here: each configuration runs in a fresh process that then imports TensorFlow
-    from tfnb.cluster.security import ExposedServerWarning
-
     warnings.simplefilter("ignore", ExposedServerWarning)
     model = tfnb.load_model(model_name, progress=False)
     ids = model.tokenizer.encode(model.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}]))
