@@ -66,16 +66,16 @@ def test_rows_and_auto_plan_match_tfnb_plan(cluster):
 
 def test_editing_a_row_switches_to_manual_and_updates_figures_and_svg(cluster):
     editor = PlacementEditor(tiny("llama"), cluster)
-    before, svg = editor.plan.prediction, editor._svg_w.value
-    figures = editor._figures_w.value
+    before, svg = editor.plan.prediction, editor.widgets.svg.value
+    figures = editor.widgets.figures.value
     target = _other(editor, "block.1")
     editor.rows.dropdowns["block.1"].value = target       # what a user's pick does
     after = editor.plan.prediction
     assert editor.mode == "manual" and editor.plan.mode == "manual"
     assert editor.assignment["block.1"] == target
     assert after.latency_s != before.latency_s and after.bytes_per_token > before.bytes_per_token
-    assert editor._svg_w.value != svg and editor._figures_w.value != figures
-    assert "/token" in editor._svg_w.value and editor._svg_w.value.count("<rect") >= 2
+    assert editor.widgets.svg.value != svg and editor.widgets.figures.value != figures
+    assert "/token" in editor.widgets.svg.value and editor.widgets.svg.value.count("<rect") >= 2
     editor.set_device("block.1", "worker:0/CPU:0" if "task:1" in target else "worker:1/CPU:0")
     assert editor.plan.prediction == before       # short labels work from code too
     editor.mode = "auto"
@@ -92,18 +92,18 @@ def test_over_memory_marks_the_row_and_disables_apply(cluster):
     dev0, dev1 = cluster.devices
     editor = PlacementEditor(tiny("llama"), cluster, max_memory={dev1: "10kB"})
     assert set(editor.assignment.values()) == {dev0} and editor.apply_disabled_reason == ""
-    assert not editor._apply_w.disabled
+    assert not editor.widgets.apply.disabled
     editor.set_device("block.0", dev1)
     reason = editor.apply_disabled_reason
     assert "worker:1/CPU:0" in reason and "over" in reason and "\n" not in reason
-    assert editor._apply_w.disabled and reason in editor._reason_w.value
+    assert editor.widgets.apply.disabled and reason in editor.widgets.reason.value
     assert editor.rows.highlighted() == ["block.0"] and dev1 in editor.over_memory
     assert "tfnb-over" in editor.rows.boxes["block.0"]._dom_classes
-    assert editor.bars.bars[dev1].bar_style == "danger" and "over memory" in editor._svg_w.value
+    assert editor.bars.bars[dev1].bar_style == "danger" and "over memory" in editor.widgets.svg.value
     assert editor.apply() is None and "disabled" in editor.error and editor.placed is None
     editor.set_device("block.0", dev0)
     assert editor.apply_disabled_reason == "" and editor.rows.highlighted() == []
-    assert not editor._apply_w.disabled
+    assert not editor.widgets.apply.disabled
 
 
 def test_apply_places_a_keras_chain_across_workers(cluster, keras_model):
@@ -113,7 +113,7 @@ def test_apply_places_a_keras_chain_across_workers(cluster, keras_model):
         editor.set_device(stage, dev1)
     seen = []
     editor.on_apply(seen.append)
-    editor._apply_w.click()                                 # the Apply button
+    editor.widgets.apply.click()                                 # the Apply button
     placed = editor.placed
     assert editor.error == "" and editor.status.startswith("applied"), editor.status
     assert seen == [editor] and placed.plan == editor.plan
@@ -131,8 +131,8 @@ def test_apply_errors_are_one_line(cluster, keras_model):
     editor = PlacementEditor(keras_model, ["a", "b"])      # devices the cluster does not have
     assert editor.apply() is None and editor.placed is None
     assert editor.error.startswith("Apply failed:") and "'a'" in editor.error
-    assert "\n" not in editor.error and "Traceback" not in editor._status_w.value
-    assert not editor.busy and not editor._apply_w.disabled
+    assert "\n" not in editor.error and "Traceback" not in editor.widgets.status.value
+    assert not editor.busy and not editor.widgets.apply.disabled
 
 
 def test_apply_places_the_tiny_llama(cluster):
@@ -156,10 +156,10 @@ def test_json_export_and_load_round_trip_and_refusals(cluster, keras_model, tmp_
     editor.set_device("head", dev1)
     path = editor.export_json(tmp_path / "plan.json")
     assert Plan.load(path) == editor.plan
-    assert json.loads(editor._json_w.value) == json.loads(path.read_text())
+    assert json.loads(editor.widgets.json.value) == json.loads(path.read_text())
     ns = {}
-    exec(editor._python_w.value, ns)                      # noqa: S102 - our own snippet
-    assert ns["plan"] == editor.plan and "data:application/json;base64," in editor._download_w.value
+    exec(editor.widgets.python.value, ns)                      # noqa: S102 - our own snippet
+    assert ns["plan"] == editor.plan and "data:application/json;base64," in editor.widgets.download.value
 
     fresh = PlacementEditor(tiny("llama"), cluster, objective="throughput")
     assert fresh.load(path) == editor.plan and fresh.mode == "manual"

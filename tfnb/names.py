@@ -12,7 +12,7 @@ the magics, the widgets, the profiler) can share them:
   the rows) or ``MANUAL`` (rows edited by hand).
 - :func:`short_device` labels a device the same way in every view (plans, widgets, profiles).
 - :func:`format_bytes` writes a byte count in decimal units everywhere, :func:`format_count` a
-  count of parameters or FLOPs.
+  count of parameters or FLOPs, :func:`format_span` a run of consecutive stages.
 
 Examples
 --------
@@ -27,7 +27,7 @@ import math
 import re
 
 __all__ = ["PLANNERS", "PIPELINE_PLANNERS", "PLAN_MODES", "OBJECTIVES", "EDITOR_MODES", "AUTO",
-           "MANUAL", "short_device", "format_bytes", "format_count"]
+           "MANUAL", "short_device", "format_bytes", "format_count", "format_span"]
 
 MANUAL = "manual"
 AUTO = "auto"
@@ -100,3 +100,14 @@ def format_count(n: float) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.3g}{unit}"
     return f"{n:.0f}"
+
+
+def format_span(stages) -> str:
+    """A run of consecutive stages as its first and last name and its length.
+
+    Examples
+    --------
+    >>> format_span(["embed", "block.0", "block.1"]), format_span(["head"])
+    ('embed .. block.1 (3)', 'head')
+    """
+    return stages[0] if len(stages) == 1 else f"{stages[0]} .. {stages[-1]} ({len(stages)})"

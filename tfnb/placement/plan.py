@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tfnb.errors import PlacementError
 from tfnb.models.chain import block_index, block_stage
-from tfnb.names import MANUAL, OBJECTIVES, PLAN_MODES, format_bytes, short_device
+from tfnb.names import MANUAL, OBJECTIVES, PLAN_MODES, format_bytes, format_span, short_device
 from tfnb.placement.cost import (DEFAULT_CONTEXT_LEN, Prediction, Topology, check_assignment,
                                  check_load, predict, predict_replicated)
 
@@ -33,11 +33,7 @@ class Segment:
     stages: tuple[str, ...]
 
     def __repr__(self) -> str:
-        return f"Segment({short_device(self.device)}: {_span(self.stages)})"
-
-
-def _span(stages) -> str:
-    return stages[0] if len(stages) == 1 else f"{stages[0]} .. {stages[-1]} ({len(stages)})"
+        return f"Segment({short_device(self.device)}: {format_span(self.stages)})"
 
 
 @dataclass(frozen=True)
@@ -61,7 +57,7 @@ class PlanDiff:
                 runs[-1][0].append(stage)
             else:
                 runs.append([[stage], a, b])
-        return "\n".join(f"{_span(s)}: {short_device(a)} -> {short_device(b)}" for s, a, b in runs)
+        return "\n".join(f"{format_span(s)}: {short_device(a)} -> {short_device(b)}" for s, a, b in runs)
 
     def __repr__(self) -> str:
         return f"PlanDiff({len(self)} stages moved)"
@@ -335,7 +331,7 @@ class Plan:
                 cap = pred.capacity.get(seg.device, math.inf)
                 mem = f"{pred.memory[seg.device] / 1e6:,.1f} / " + (
                     "inf" if math.isinf(cap) else f"{cap / 1e6:,.0f} MB")
-            rows.append((short_device(seg.device), _span(seg.stages), mem))
+            rows.append((short_device(seg.device), format_span(seg.stages), mem))
         return rows
 
     def _summary(self) -> str:

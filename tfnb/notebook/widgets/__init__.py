@@ -12,6 +12,6 @@ Examples
 True
 """
 from tfnb.notebook.widgets.dataflow import plan_svg
-from tfnb.notebook.widgets.placement import PLANNERS, PlacementEditor
+from tfnb.notebook.widgets.placement import PlacementEditor
 
-__all__ = ["PLANNERS", "PlacementEditor", "plan_svg"]
+__all__ = ["PlacementEditor", "plan_svg"]

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import html
 
-from tfnb.placement.cost import TOKEN_BYTES, short_device
+from tfnb.names import format_bytes, format_span, short_device
+from tfnb.placement.cost import TOKEN_BYTES
 
-__all__ = ["plan_svg", "device_colors", "format_bytes"]
+__all__ = ["plan_svg", "device_colors"]
 
 # Colour-blind-safe qualitative palette (Okabe & Ito), light enough for black text.
 _PALETTE = ("#8ecae6", "#ffb703", "#90be6d", "#f4a3b4", "#cdb4db", "#e9c46a", "#a8dadc",
@@ -28,24 +29,6 @@ def device_colors(devices) -> dict[str, str]:
     {'a': '#8ecae6', 'b': '#ffb703'}
     """
     return {d: _PALETTE[i % len(_PALETTE)] for i, d in enumerate(devices)}
-
-
-def format_bytes(n: float) -> str:
-    """``1234`` -> ``'1.23 kB'`` (decimal units, as the rest of tfnb).
-
-    Examples
-    --------
-    >>> format_bytes(4), format_bytes(2304), format_bytes(3.5e6)
-    ('4 B', '2.3 kB', '3.5 MB')
-    """
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= size:
-            return f"{n / size:.3g} {unit}"
-    return f"{n:.0f} B"
-
-
-def _span(stages) -> str:
-    return stages[0] if len(stages) == 1 else f"{stages[0]} .. {stages[-1]} ({len(stages)})"
 
 
 def plan_svg(plan, chain, devices=None, over=()) -> str:
@@ -97,7 +80,7 @@ def plan_svg(plan, chain, devices=None, over=()) -> str:
             f'fill="{colors.get(seg.device, "#ddd")}" stroke="{"#c00" if bad else "#333"}" '
             f'stroke-width="{3 if bad else 1}"/>'
             f'<text x="{mid}" y="{top + h / 2 - 3}" text-anchor="middle">'
-            f'{html.escape(_span(seg.stages))}</text>'
+            f'{html.escape(format_span(seg.stages))}</text>'
             f'<text x="{mid}" y="{top + h / 2 + 11}" text-anchor="middle" font-weight="bold" '
             f'fill="{"#c00" if bad else "#000"}">{html.escape(label)}</text>'
             '</g>')

@@ -7,52 +7,74 @@ from __future__ import annotations
 
 import html
 import json
+from dataclasses import dataclass
 
 import ipywidgets as W
 from traitlets import link
 
 from tfnb.errors import TfnbError
+from tfnb.names import EDITOR_MODES, OBJECTIVES, PIPELINE_PLANNERS
 from tfnb.notebook.widgets.views import STYLE, MemoryBars, StageRows, one_line
 
-__all__ = ["build"]
+__all__ = ["build", "EditorWidgets"]
+
+
+@dataclass(frozen=True)
+class EditorWidgets:
+    """The editor's widgets that show its state; the editor updates them, nothing else does.
+
+    ``children`` is the editor's whole layout, top to bottom (these widgets and the controls
+    that only forward user input to the editor).
+    """
+
+    rows: StageRows
+    bars: MemoryBars
+    svg: W.HTML          # the dataflow picture
+    figures: W.HTML      # predicted figures
+    apply: W.Button
+    status: W.HTML       # the last action's status or error
+    reason: W.HTML       # why Apply is disabled
+    download: W.HTML     # a data: link to the plan's JSON
+    json: W.Textarea
+    python: W.Textarea
+    children: tuple
 
 
 def _title(text: str) -> W.HTML:
     return W.HTML(f"<b>{html.escape(text)}</b>")
 
 
-def build(editor) -> None:
-    """Create ``editor``'s widgets, link them to its traits and set ``editor.children``.
+def build(editor) -> EditorWidgets:
+    """Create ``editor``'s widgets, linked to its traits; the editor lays out ``children``.
 
     Examples
     --------
     >>> from tfnb.models import tiny
     >>> from tfnb.notebook.widgets import PlacementEditor
     >>> editor = PlacementEditor(tiny("llama"), ["a", "b"])   # calls build(editor)
-    >>> len(editor.children), editor._apply_w.description
+    >>> len(editor.children), editor.widgets.apply.description
     (10, 'Apply')
     """
     chain, topo = editor.model.chain, editor.topology
     n = len(topo.devices)
     header = W.HTML(f"{STYLE}<h4 style='margin:4px 0'>Placement of {html.escape(editor.model.name)}"
                     f": {len(chain)} stages, {n} device{'s' * (n != 1)}</h4>")
-    mode_w = W.ToggleButtons(options=["auto", "manual"], description="mode",
+    mode_w = W.ToggleButtons(options=list(EDITOR_MODES), description="mode",
                              tooltips=["a planner fills the rows", "edit the rows by hand"],
                              style={"button_width": "70px"})
-    planner_w = W.Dropdown(options=["optimal", "greedy", "memory"], description="planner",
+    planner_w = W.Dropdown(options=list(PIPELINE_PLANNERS), description="planner",
                            layout=W.Layout(width="200px"))
-    objective_w = W.ToggleButtons(options=["latency", "throughput"], description="objective",
+    objective_w = W.ToggleButtons(options=list(OBJECTIVES), description="objective",
                                   style={"button_width": "100px"})
     for w, name in ((mode_w, "mode"), (planner_w, "planner"), (objective_w, "objective")):
         link((editor, name), (w, "value"))
 
-    editor.rows = StageRows(chain, topo.devices, on_pick=editor.set_device)
-    editor.bars = MemoryBars(topo.devices, dict(zip(topo.devices, topo.memory.tolist())))
-    editor._svg_w = W.HTML(layout=W.Layout(margin="0 0 0 16px"))
-    editor._figures_w = W.HTML()
-    editor._apply_w = W.Button(description="Apply", button_style="primary", icon="check")
-    editor._apply_w.on_click(lambda _: editor.apply())
-    editor._status_w, editor._reason_w = W.HTML(), W.HTML()
+    rows = StageRows(chain, topo.devices, on_pick=editor.set_device)
+    bars = MemoryBars(topo.devices, dict(zip(topo.devices, topo.memory.tolist())))
+    svg_w, figures_w = W.HTML(layout=W.Layout(margin="0 0 0 16px")), W.HTML()
+    apply_w = W.Button(description="Apply", button_style="primary", icon="check")
+    apply_w.on_click(lambda _: editor.apply())
+    status_w, reason_w = W.HTML(), W.HTML()
 
     path_w = W.Text(value="plan.json", description="file", layout=W.Layout(width="320px"))
     save_w, load_w = W.Button(description="Save JSON"), W.Button(description="Load JSON")
@@ -60,19 +82,20 @@ def build(editor) -> None:
     load_w.on_click(lambda _: editor.load(path_w.value))
     upload_w = W.FileUpload(accept=".json", multiple=False, description="Upload plan")
     upload_w.observe(lambda change: _load_upload(editor, change["new"]), "value")
-    editor._download_w = W.HTML()
+    download_w = W.HTML()
     box = W.Layout(width="95%", height="160px")
-    editor._json_w = W.Textarea(description="JSON", layout=box, disabled=False)
-    editor._python_w = W.Textarea(description="Python", layout=box, disabled=False)
-    export = W.VBox([W.HBox([path_w, save_w, load_w, upload_w]), editor._download_w,
-                     editor._json_w, editor._python_w])
+    json_w = W.Textarea(description="JSON", layout=box, disabled=False)
+    python_w = W.Textarea(description="Python", layout=box, disabled=False)
+    export = W.VBox([W.HBox([path_w, save_w, load_w, upload_w]), download_w, json_w, python_w])
     more = W.Accordion(children=[export], titles=("Export / load a plan",), selected_index=None)
 
-    editor.children = [
+    children = (
         header, W.HBox([mode_w, planner_w]), objective_w,
-        W.HBox([editor.rows.widget, W.VBox([_title("dataflow"), editor._svg_w])]),
-        _title("memory per device (parameters + KV cache)"), editor.bars.widget,
-        editor._figures_w, W.HBox([editor._apply_w, editor._status_w]), editor._reason_w, more]
+        W.HBox([rows.widget, W.VBox([_title("dataflow"), svg_w])]),
+        _title("memory per device (parameters + KV cache)"), bars.widget,
+        figures_w, W.HBox([apply_w, status_w]), reason_w, more)
+    return EditorWidgets(rows, bars, svg_w, figures_w, apply_w, status_w, reason_w, download_w,
+                         json_w, python_w, children)
 
 
 def _guarded(editor, fn, *args) -> None:
@@ -80,7 +103,7 @@ def _guarded(editor, fn, *args) -> None:
     try:
         fn(*args)
     except (OSError, TfnbError) as e:
-        editor._report(error=one_line(e))
+        editor.report(error=one_line(e))
 
 
 def _load_upload(editor, files) -> None:
@@ -89,6 +112,6 @@ def _load_upload(editor, files) -> None:
         try:
             data = json.loads(bytes(item["content"]).decode())
         except (ValueError, UnicodeDecodeError) as e:
-            editor._report(error=f"plan refused: {item.get('name', 'upload')!r} is not JSON ({e})")
+            editor.report(error=f"plan refused: {item.get('name', 'upload')!r} is not JSON ({e})")
             continue
         editor.load(data)

@@ -18,17 +18,80 @@ import time
 import ipywidgets as W
 from traitlets import Any, Bool, Dict, Enum, Instance, Int, TraitError, Unicode, observe, validate
 
+from tfnb.cluster import current
 from tfnb.errors import PlacementError, TfnbError
+from tfnb.names import AUTO, EDITOR_MODES, MANUAL, OBJECTIVES, PIPELINE_PLANNERS, format_bytes, \
+    short_device
 from tfnb.notebook.widgets.dataflow import plan_svg
+from tfnb.notebook.widgets.layout import build
 from tfnb.notebook.widgets.views import editor_text, figures_html, one_line
-from tfnb.placement.cost import DEFAULT_CONTEXT_LEN, Topology, predict, short_device
+from tfnb.placement.apply import place
+from tfnb.placement.cost import DEFAULT_CONTEXT_LEN, Topology, predict
 from tfnb.placement.plan import Plan
 from tfnb.placement.planners import as_topology
 from tfnb.placement.planners import plan as make_plan
 
-__all__ = ["PlacementEditor", "PLANNERS"]
+__all__ = ["PlacementEditor", "resolve_device", "read_plan", "apply_blocker"]
 
-PLANNERS = ("optimal", "greedy", "memory")
+
+def resolve_device(device: str, devices) -> str:
+    """The full name in ``devices`` of ``device``, a full name or a short label.
+
+    Examples
+    --------
+    >>> resolve_device("worker:1/CPU:0", ["/job:worker/replica:0/task:1/device:CPU:0"])
+    '/job:worker/replica:0/task:1/device:CPU:0'
+    """
+    if device in devices:
+        return device
+    full = [d for d in devices if short_device(d) == device]
+    if len(full) == 1:
+        return full[0]
+    raise PlacementError(f"device {device!r} is not in the topology: expected one of "
+                         f"{[short_device(d) for d in devices]}")
+
+
+def read_plan(source) -> Plan:
+    """A pipeline plan from a path, a dict from a plan JSON file, or a Plan.
+
+    Examples
+    --------
+    >>> read_plan({"format": "tfnb.plan"})
+    Traceback (most recent call last):
+    ...
+    tfnb.errors.PlacementError: uploaded plan has no 'mode': expected a file written by Plan.save
+    """
+    if isinstance(source, Plan):
+        p = source
+    elif isinstance(source, dict):
+        p = Plan.from_dict(source, "uploaded plan")
+    elif isinstance(source, (str, os.PathLike)):
+        p = Plan.load(source)
+    else:
+        raise PlacementError(f"load({source!r:.60}): expected a path, a dict from a plan "
+                             "JSON file, or a Plan")
+    if p.replicas:
+        raise PlacementError(f"the plan replicates the model on {len(p.replicas)} "
+                             "devices: the editor edits pipelines (one device per stage)")
+    return p
+
+
+def apply_blocker(busy: bool, over_memory: dict) -> str:
+    """Why Apply cannot run now (``""`` when it can): an Apply running, or a device over memory.
+
+    Examples
+    --------
+    >>> apply_blocker(False, {"a": (2e6, 1e6)})
+    'a would hold 2.00 MB but has 1.00 MB (1.00 MB over): move stages off it'
+    """
+    if busy:
+        return "an Apply is running"
+    if over_memory:
+        dev, (need, cap) = next(iter(over_memory.items()))
+        return (f"{short_device(dev)} would hold {format_bytes(need, 'MB', 2)} but has "
+                f"{format_bytes(cap, 'MB', 2)} ({format_bytes(need - cap, 'MB', 2)} over): move "
+                "stages off it")
+    return ""
 
 
 class PlacementEditor(W.VBox):
@@ -58,10 +121,11 @@ class PlacementEditor(W.VBox):
     ('manual', 'b')
     """
 
-    mode = Enum(("auto", "manual"), "auto", help="auto: a planner fills the rows; manual: edit "
+    mode = Enum(EDITOR_MODES, AUTO, help="auto: a planner fills the rows; manual: edit "
                 "rows (editing a row in auto switches to manual)")
-    planner = Enum(PLANNERS, "optimal", help="planner used in auto mode (tfnb.plan's mode)")
-    objective = Enum(("latency", "throughput"), "latency",
+    planner = Enum(PIPELINE_PLANNERS, "optimal",
+                   help="planner used in auto mode (tfnb.plan's mode)")
+    objective = Enum(OBJECTIVES, "latency",
                      help="what the optimal planner minimises: seconds per token or the slowest "
                           "pipeline stage")
     batch = Int(1, help="sequences per step the memory (KV cache) and figures are computed for")
@@ -80,15 +144,13 @@ class PlacementEditor(W.VBox):
     cluster = Any(None, read_only=True, help="the cluster Apply places on (None: none given)")
     topology = Instance(Topology, read_only=True, help="devices, memory caps, speeds and links")
 
-    def __init__(self, model, cluster=None, *, max_memory=None, mode="auto", planner="optimal",
+    def __init__(self, model, cluster=None, *, max_memory=None, mode=AUTO, planner="optimal",
                  objective="latency", batch=1, context_len=None, **kwargs):
         chain = getattr(model, "chain", None)
         if not (hasattr(chain, "names") and hasattr(chain, "kv_bytes")):
             raise PlacementError(f"model={model!r:.60}: expected a tfnb model (from "
                                  "tfnb.load_model or tfnb.models.tiny) with a .chain")
         if cluster is None:
-            from tfnb.cluster import current
-
             cluster = current()
         topology = as_topology(cluster, model, batch, context_len).with_max_memory(max_memory)
         super().__init__(**kwargs)
@@ -101,11 +163,13 @@ class PlacementEditor(W.VBox):
         self.batch, self.context_len = batch, DEFAULT_CONTEXT_LEN if context_len is None \
             else context_len
         self.objective, self.planner, self.mode = objective, planner, mode
-        self._build()
+        self.widgets = build(self)
+        self.rows, self.bars = self.widgets.rows, self.widgets.bars
+        self.children = self.widgets.children
         self.assignment = dict.fromkeys(chain.names, topology.devices[0])
         self._ready = True
         self._refresh(None)
-        if self.mode == "auto":
+        if self.mode == AUTO:
             self.replan()
 
     # --- invariants -----------------------------------------------------------------------
@@ -118,7 +182,7 @@ class PlacementEditor(W.VBox):
             what = f"unknown stage {unknown[0]!r}" if unknown else f"no device for {missing[0]!r}"
             raise TraitError(f"assignment: {what}: expected every stage of {chain.names[0]!r} .. "
                              f"{chain.names[-1]!r} ({len(chain)} stages) and no other")
-        return {s: self._device(a[s]) for s in chain.names}
+        return {s: resolve_device(a[s], self.topology.devices) for s in chain.names}
 
     @validate("batch", "context_len")
     def _valid_load(self, proposal):
@@ -128,35 +192,24 @@ class PlacementEditor(W.VBox):
                              f"integer >= {low}")
         return proposal["value"]
 
-    def _device(self, device) -> str:
-        """Full device name from a full name or a short label such as ``worker:1/CPU:0``."""
-        devices = self.topology.devices
-        if device in devices:
-            return device
-        full = [d for d in devices if short_device(d) == device]
-        if len(full) == 1:
-            return full[0]
-        raise PlacementError(f"device {device!r} is not in the topology: expected one of "
-                             f"{[short_device(d) for d in devices]}")
-
     # --- reactions (each calls one core method) ---------------------------------------------
     @observe("mode")
     def _on_mode(self, change):
-        if self._ready and change["new"] == "auto":
+        if self._ready and change["new"] == AUTO:
             self.replan()
-        elif self._ready and self.plan is not None and self.plan.mode != "manual":
+        elif self._ready and self.plan is not None and self.plan.mode != MANUAL:
             self._refresh(())
 
     @observe("planner")
     def _on_planner(self, change):
-        if self._ready and self.mode == "auto":
+        if self._ready and self.mode == AUTO:
             self.replan()
         elif self._ready:
-            self.mode = "auto"   # picking a planner means: let it plan
+            self.mode = AUTO   # picking a planner means: let it plan
 
     @observe("objective", "batch", "context_len")
     def _on_load(self, change):
-        if self._ready and self.mode == "auto":
+        if self._ready and self.mode == AUTO:
             self.replan()
         elif self._ready:
             self._refresh(())
@@ -166,8 +219,8 @@ class PlacementEditor(W.VBox):
         old, new = change["old"] or {}, change["new"]
         if self._ready:
             self._refresh([s for s in new if old.get(s) != new[s]] if old else None)
-            if self.mode == "auto" and self.plan.mode == "manual":
-                self.mode = "manual"
+            if self.mode == AUTO and self.plan.mode == MANUAL:
+                self.mode = MANUAL
 
     @observe("busy")
     def _on_busy(self, change):
@@ -186,10 +239,10 @@ class PlacementEditor(W.VBox):
             p = make_plan(self.model.chain, self.topology, mode=self.planner,
                           objective=self.objective, batch=self.batch, context_len=self.context_len)
         except TfnbError as e:
-            self._report(error=f"{self.planner} planner: {one_line(e)}")
+            self.report(error=f"{self.planner} planner: {one_line(e)}")
             return None
         self._auto_plan = p
-        self._report(status=f"{self.planner} planner: {len(p.segments())} segment(s) on "
+        self.report(status=f"{self.planner} planner: {len(p.segments())} segment(s) on "
                             f"{len(p.devices)} device(s), {p.planner_s * 1e3:.3g} ms to plan")
         if p.assignment == self.assignment:
             self._refresh(())
@@ -208,7 +261,7 @@ class PlacementEditor(W.VBox):
         if stage not in self.assignment:
             raise PlacementError(f"stage {stage!r} is not in {self.model.name!r}: expected one of "
                                  f"{list(self.assignment)[:3]} ... {list(self.assignment)[-1]}")
-        device = self._device(device)
+        device = resolve_device(device, self.topology.devices)
         if self.assignment[stage] != device:
             self.assignment = {**self.assignment, stage: device}
         return self.plan
@@ -236,27 +289,25 @@ class PlacementEditor(W.VBox):
         >>> placed = editor.apply()                                # doctest: +SKIP
         """
         if self.apply_disabled_reason:
-            self._report(error=f"Apply is disabled: {self.apply_disabled_reason}")
+            self.report(error=f"Apply is disabled: {self.apply_disabled_reason}")
             return None
-        from tfnb.placement.apply import place
-
         plan, previous = self.plan, self.placed
         what = (f"moving {len(self._applied_plan.diff(plan))} stage(s)" if previous is not None
                 and self._applied_plan is not None else
                 f"placing {len(plan.assignment)} stages on {len(plan.devices)} device(s)")
-        self._report(status=f"applying: {what} ...")
+        self.report(status=f"applying: {what} ...")
         self.set_trait("busy", True)
         start = time.perf_counter()
         try:
             placed = place(self.model, plan, self.cluster, previous=previous)
         except Exception as e:  # noqa: BLE001 - shown in the widget as one line, never a traceback
-            self._report(error=f"Apply failed: {one_line(e)}")
+            self.report(error=f"Apply failed: {one_line(e)}")
             return None
         finally:
             self.set_trait("busy", False)
         self.set_trait("placed", placed)
         self._applied_plan = plan
-        self._report(status=f"applied in {time.perf_counter() - start:.1f} s: {what}")
+        self.report(status=f"applied in {time.perf_counter() - start:.1f} s: {what}")
         self._refresh(())
         self._apply_callbacks(self)
         return placed
@@ -270,7 +321,7 @@ class PlacementEditor(W.VBox):
         PosixPath('plan.json')
         """
         path = self.plan.save(path)
-        self._report(status=f"saved the plan to {str(path)!r}")
+        self.report(status=f"saved the plan to {str(path)!r}")
         return path
 
     def load(self, source):
@@ -285,28 +336,16 @@ class PlacementEditor(W.VBox):
         Plan(manual, latency: 2 devices, 2 segments, 0.81 ms/token)
         """
         try:
-            if isinstance(source, Plan):
-                p = source
-            elif isinstance(source, dict):
-                p = Plan.from_dict(source, "uploaded plan")
-            elif isinstance(source, (str, os.PathLike)):
-                p = Plan.load(source)
-            else:
-                raise PlacementError(f"load({source!r:.60}): expected a path, a dict from a plan "
-                                     "JSON file, or a Plan")
-            if p.replicas:
-                raise PlacementError(f"the plan replicates the model on {len(p.replicas)} "
-                                     "devices: the editor edits pipelines (one device per stage)")
-            p.validate(self.model.chain, self.topology)
+            p = read_plan(source).validate(self.model.chain, self.topology)
         except (TfnbError, OSError) as e:
-            self._report(error=f"plan refused: {one_line(e)}")
+            self.report(error=f"plan refused: {one_line(e)}")
             return None
         with self._quiet():
-            self.mode, self.objective = "manual", p.objective
+            self.mode, self.objective = MANUAL, p.objective
             self.batch, self.context_len = p.batch, p.context_len
             self.assignment = p.assignment
         self._refresh(None)
-        self._report(status=f"loaded a {p.mode} plan ({len(p.segments())} segment(s))")
+        self.report(status=f"loaded a {p.mode} plan ({len(p.segments())} segment(s))")
         return self.plan
 
     # --- internals ------------------------------------------------------------------------
@@ -318,21 +357,27 @@ class PlacementEditor(W.VBox):
         finally:
             self._ready = True
 
-    def _report(self, status: str = "", error: str = "") -> None:
+    def report(self, status: str = "", error: str = "") -> None:
+        """Show one line: ``status``, or ``error`` (which also sets :attr:`error`).
+
+        Examples
+        --------
+        >>> editor.report(error="plan refused: not JSON")            # doctest: +SKIP
+        """
         self.set_trait("error", error)
         self.set_trait("status", error or status)
         cls = "tfnb-status-error" if error else "tfnb-status"
-        self._status_w.value = f'<span class="{cls}">{html.escape(error or status)}</span>'
+        self.widgets.status.value = f'<span class="{cls}">{html.escape(error or status)}</span>'
 
     def _current_plan(self) -> Plan:
         auto = self._auto_plan
-        if self.mode == "auto" and auto is not None and auto.assignment == self.assignment and \
+        if self.mode == AUTO and auto is not None and auto.assignment == self.assignment and \
                 (auto.objective, auto.batch, auto.context_len) == \
                 (self.objective, self.batch, self.context_len):
             return auto
         pred = predict(self.model.chain, self.assignment, self.topology, self.batch,
                        self.context_len)
-        return Plan(dict(self.assignment), "manual", self.objective, self.batch, self.context_len,
+        return Plan(dict(self.assignment), MANUAL, self.objective, self.batch, self.context_len,
                     prediction=pred)
 
     def _refresh(self, changed) -> None:
@@ -343,34 +388,23 @@ class PlacementEditor(W.VBox):
         self.set_trait("over_memory", over)
         self.rows.show(self.assignment, over, changed)
         self.bars.show(plan.prediction)
-        self._figures_w.value = figures_html(plan.prediction, self._applied_plan)
-        self._svg_w.value = plan_svg(plan, self.model.chain, self.topology.devices, over)
+        w = self.widgets
+        w.figures.value = figures_html(plan.prediction, self._applied_plan)
+        w.svg.value = plan_svg(plan, self.model.chain, self.topology.devices, over)
         text = json.dumps(plan.to_dict(), indent=1)
-        self._json_w.value, self._python_w.value = text, plan.to_python()
-        self._download_w.value = (
+        w.json.value, w.python.value = text, plan.to_python()
+        w.download.value = (
             '<a download="plan.json" href="data:application/json;base64,'
             f'{base64.b64encode(text.encode()).decode()}">download plan.json</a>')
         self._update_apply()
 
     def _update_apply(self) -> None:
-        reason = ""
-        if self.busy:
-            reason = "an Apply is running"
-        elif self.over_memory:
-            dev, (need, cap) = next(iter(self.over_memory.items()))
-            reason = (f"{short_device(dev)} would hold {need / 1e6:,.2f} MB but has "
-                      f"{cap / 1e6:,.2f} MB ({(need - cap) / 1e6:,.2f} MB over): move stages "
-                      "off it")
+        reason = apply_blocker(self.busy, self.over_memory)
         self.set_trait("apply_disabled_reason", reason)
-        self._apply_w.disabled = bool(reason)
-        self._apply_w.tooltip = reason or "place the model with this plan"
-        self._reason_w.value = (f'<span class="tfnb-status-error">Apply disabled: '
-                                f"{html.escape(reason)}</span>" if reason else "")
-
-    def _build(self) -> None:
-        from tfnb.notebook.widgets.layout import build
-
-        build(self)
+        self.widgets.apply.disabled = bool(reason)
+        self.widgets.apply.tooltip = reason or "place the model with this plan"
+        self.widgets.reason.value = (f'<span class="tfnb-status-error">Apply disabled: '
+                                     f"{html.escape(reason)}</span>" if reason else "")
 
     # --- views ------------------------------------------------------------------------------
     def __str__(self) -> str:

@@ -15,8 +15,8 @@ from functools import partial
 import ipywidgets as W
 
 from tfnb.errors import TfnbError
-from tfnb.notebook.widgets.dataflow import device_colors, format_bytes
-from tfnb.placement.cost import short_device
+from tfnb.names import AUTO, format_bytes, short_device
+from tfnb.notebook.widgets.dataflow import device_colors
 
 __all__ = ["StageRows", "MemoryBars", "figures_html", "editor_text", "one_line", "STYLE"]
 
@@ -41,10 +41,6 @@ def one_line(error: BaseException, limit: int = 300) -> str:
     if not isinstance(error, TfnbError):
         text = f"{type(error).__name__}: {text}"
     return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def _mb(n: float) -> str:
-    return "unlimited" if math.isinf(n) else f"{n / 1e6:,.2f} MB"
 
 
 class StageRows:
@@ -154,8 +150,9 @@ class MemoryBars:
             bar.value = min(need, bar.max)
             over = need > cap
             bar.bar_style = "danger" if over else "warning" if need > 0.9 * cap else "success"
-            text = f"{_mb(need)} of {_mb(cap)}"
-            self.labels[dev].value = text + (f": {_mb(need - cap)} over" if over else "")
+            text = f"{format_bytes(need, 'MB', 2)} of {format_bytes(cap, 'MB', 2)}"
+            self.labels[dev].value = text + (f": {format_bytes(need - cap, 'MB', 2)} over"
+                                             if over else "")
 
 
 def figures_html(prediction, applied=None) -> str:
@@ -199,7 +196,7 @@ def editor_text(editor) -> str:
          f"{s.param_bytes / 1e6:,.2f}", short_device(editor.assignment[s.name])) for s in chain]
     widths = [max(len(r[c]) for r in rows) for c in range(3)]
     table = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    mode = (f"auto ({editor.planner})" if editor.mode == "auto" else "manual")
+    mode = f"{AUTO} ({editor.planner})" if editor.mode == AUTO else editor.mode
     lines = [f"PlacementEditor: {editor.model.name}, {len(chain)} stages, mode {mode}, "
              f"objective {editor.objective}", *table]
     if plan is not None:
