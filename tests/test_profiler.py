@@ -287,7 +287,7 @@ def test_not_connected_and_bad_arguments(cluster, ipython):
 
 @pytest.mark.parametrize("cell, needle", [
     ("%%tfprofile\n", "empty"), ("%%tfprofile\n   \n", "empty"),
-    ("%%tfprofile --timeout 0\nx = 1\n", "--timeout 0"), ("%%tfprofile --timeout 99999\nx = 1\n", "99999"),
+    ("%%tfprofile --timeout 0\nx = 1\n", "timeout=0"), ("%%tfprofile --timeout 99999\nx = 1\n", "99999"),
     ("%%tfprofile -o 1x\nx = 1\n", "'1x'"), ("%%tfprofile --frobnicate\nx = 1\n", "--frobnicate"),
     ("%%tfprofile --timeout abc\nx = 1\n", "'abc'"),
 ])

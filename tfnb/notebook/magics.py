@@ -5,92 +5,166 @@ before any state changes; errors tfnb raises on purpose are shown the same way.
 """
 from __future__ import annotations
 
+import ast
 import shlex
+from pathlib import Path
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
+import tfnb.cluster as core
 from tfnb.errors import TfnbError
+from tfnb.names import AUTO, EDITOR_MODES, OBJECTIVES, PIPELINE_PLANNERS
+from tfnb.notebook.stream import enable
+from tfnb.profiler import profile_call
 
-_ACTIONS = ("local", "connect", "status", "disconnect", "stop")
+
+def options(*arguments):
+    """One decorator applying several ``magic_arguments.argument`` decorators in order: a bundle
+    of options that several magics or actions share (as ipyparallel's magics do)."""
+    def apply(func):
+        for arg in reversed(arguments):
+            func = arg(func)
+        return func
+    return apply
 
 
-def _flags_for(action: str) -> set[str]:
-    return {"local": {"timeout", "isolate", "output"},
-            "connect": {"timeout", "tf_config", "file", "advertise", "output"},
-            "status": {"timeout", "output"}}.get(action, set())
+output_option = options(
+    argument("-o", "--output", default=None, help="store the result object in this variable"))
+timeout_option = options(
+    argument("--timeout", type=float, default=None,
+             help="seconds each worker has to answer (default: the function's)"))
+
+
+# One argument spec per %tfcluster action, each flag a keyword of the function the action calls.
+@magic_arguments("tfcluster local")
+@argument("n_workers", nargs="?", default=None, help="number of workers (1-64)")
+@argument("--start-timeout", type=float, default=None, help="seconds each worker has to start")
+@argument("--isolate", action="store_true",
+          help="keep the workers unreachable from other hosts (Linux, root, nftables)")
+@timeout_option
+@output_option
+def _local():
+    """``%tfcluster local N``: start N TF workers on this machine and connect (``tfnb.local``)."""
+
+
+@magic_arguments("tfcluster connect")
+@argument("spec", nargs="?", default=None, help="'host:port,host:port' or a JSON cluster spec")
+@argument("--file", default=None, help="a JSON cluster file (instead of SPEC)")
+@argument("--tf-config", action="store_true", help="read the cluster from TF_CONFIG")
+@argument("--advertise", default=None, help="host the workers use to reach this client")
+@timeout_option
+@output_option
+def _connect():
+    """``%tfcluster connect SPEC``: reach running workers and connect (``tfnb.connect``)."""
+
+
+@magic_arguments("tfcluster status")
+@timeout_option
+@output_option
+def _status():
+    """``%tfcluster status``: state, latency, devices and memory per worker
+    (``Cluster.status``)."""
+
+
+@magic_arguments("tfcluster disconnect")
+@output_option
+def _disconnect():
+    """``%tfcluster disconnect``: forget the cluster, workers keep running
+    (``Cluster.disconnect``)."""
+
+
+@magic_arguments("tfcluster stop")
+@output_option
+def _stop():
+    """``%tfcluster stop``: disconnect and stop the workers tfnb started (``Cluster.stop``)."""
+
+
+ACTIONS = {"local": _local, "connect": _connect, "status": _status, "disconnect": _disconnect,
+           "stop": _stop}
+
+
+def _split(line: str, prefix: str) -> list[str]:
+    try:
+        return shlex.split(line)
+    except ValueError as e:  # unbalanced quotes
+        raise UsageError(f"{prefix}: cannot parse {line!r}: {e}") from None
+
+
+def _check_output(output: str | None, prefix: str) -> None:
+    if output is not None and not output.isidentifier():
+        raise UsageError(f"{prefix}: -o {output!r} is not a valid variable name")
 
 
 def _parse_line(magic, line: str, prefix: str):
     """Parse ``line`` with ``magic``'s argument spec; every failure is one UsageError."""
+    _split(line, prefix)
     try:
-        shlex.split(line)
         args = parse_argstring(magic, line)
-    except ValueError as e:  # unbalanced quotes, in shlex's or IPython's own splitting
+    except ValueError as e:  # unbalanced quotes in IPython's own splitting
         raise UsageError(f"{prefix}: cannot parse {line!r}: {e}") from None
-    output = getattr(args, "output", None)
-    if output is not None and not output.isidentifier():
-        raise UsageError(f"{prefix}: -o {output!r} is not a valid variable name")
+    _check_output(getattr(args, "output", None), prefix)
     return args
+
+
+def _n_workers(n: str | None) -> int:
+    # tfnb.local stops a running local cluster before it checks n_workers, so a bad N is refused
+    # here, before anything stops; the core's own check says the same.
+    if n is None or not n.isdigit() or not 1 <= int(n) <= 64:
+        raise UsageError(f"%tfcluster local: number of workers {n!r}; expected an integer from 1 "
+                         "to 64")
+    return int(n)
 
 
 def parse_tfcluster(line: str) -> tuple[str, dict, str | None]:
     """Parse a ``%tfcluster`` line into (action, keyword arguments of its function, output name).
 
-    Raises UsageError naming the bad value. Pure: touches no cluster.
+    Raises UsageError naming the bad word; the values' ranges are the called function's to check.
+    Pure: touches no cluster.
+
+    Examples
+    --------
+    >>> parse_tfcluster("connect a:1,b:2 --timeout 3 -o c")
+    ('connect', {'spec': 'a:1,b:2', 'timeout': 3.0}, 'c')
     """
-    args = _parse_line(TfnbMagics.tfcluster, line, "%tfcluster")
-    action = args.action
-    if action not in _ACTIONS:
-        raise UsageError(f"%tfcluster: unknown action {action!r}; expected one of {', '.join(_ACTIONS)}")
-    given = {k for k, v in vars(args).items() if k not in ("action", "target") and v not in (None, False)}
-    extra = given - _flags_for(action)
+    words = _split(line, "%tfcluster")
+    action = words[0] if words else None
+    if action not in ACTIONS:
+        what = "no action" if action is None else f"unknown action {action!r}"
+        raise UsageError(f"%tfcluster: {what}; expected one of {', '.join(ACTIONS)}")
+    spec, prefix = ACTIONS[action], f"%tfcluster {action}"
+    try:
+        args, extra = spec.parser.parse_known_args(words[1:])
+    except UsageError as e:  # argparse's own message: a bad value or a missing one
+        raise UsageError(f"{prefix}: {e}") from None
     if extra:
-        flag = sorted(extra)[0].replace("_", "-")
-        raise UsageError(f"%tfcluster {action}: option --{flag} does not apply; "
-                         f"it takes {', '.join('--' + f.replace('_', '-') for f in sorted(_flags_for(action))) or 'no options'}")
-    if args.timeout is not None and not 0 < args.timeout <= 3600:
-        raise UsageError(f"%tfcluster: --timeout {args.timeout:g}; expected seconds, > 0 and <= 3600")
-    kw: dict = {}
-    if args.timeout is not None:
-        kw["start_timeout" if action == "local" else "timeout"] = args.timeout
+        raise UsageError(f"{prefix}: unexpected {extra[0]!r}; usage: "
+                         f"{' '.join(spec.parser.format_usage().split()[1:])}")
+    _check_output(args.output, prefix)
+    kw = {k: v for k, v in vars(args).items() if k != "output" and v not in (None, False)}
     if action == "local":
-        n = args.target
-        if n is None or not n.isdigit() or not 1 <= int(n) <= 64:
-            raise UsageError(f"%tfcluster local: number of workers {n!r}; expected an integer from 1 to 64")
-        kw.update(n_workers=int(n), isolate=args.isolate)
+        kw["n_workers"] = _n_workers(args.n_workers)
     elif action == "connect":
-        sources = [s for s in (args.target, args.file, args.tf_config or None) if s is not None]
+        sources = [s for s in (args.spec, args.file, args.tf_config or None) if s is not None]
         if len(sources) != 1:
-            raise UsageError("%tfcluster connect: give exactly one of SPEC, --file FILE or --tf-config "
+            raise UsageError(f"{prefix}: give exactly one of SPEC, --file FILE or --tf-config "
                              f"(got {len(sources)})")
         if args.file is not None:
-            from pathlib import Path
-            kw["spec"] = Path(args.file)
-        elif args.tf_config:
-            kw["tf_config"] = True
-        else:
-            kw["spec"] = args.target
-        if args.advertise is not None:
-            kw["advertise"] = args.advertise
-    elif args.target is not None:
-        raise UsageError(f"%tfcluster {action}: unexpected argument {args.target!r}")
+            kw["spec"] = Path(kw.pop("file"))
     return action, kw, args.output
 
 
 def parse_tfprofile(line: str, cell: str | None) -> tuple[dict, str | None]:
     """Parse a ``%%tfprofile`` line into (keyword arguments of ``profile_call``, output name).
 
-    Raises UsageError naming the bad value. Pure: touches no cluster.
+    Raises UsageError naming the bad word; ``profile_call`` checks the values. Pure: touches no
+    cluster.
     """
     args = _parse_line(TfnbMagics.tfprofile, line, "%%tfprofile")
-    if not 0 < args.timeout <= 3600:
-        raise UsageError(f"%%tfprofile: --timeout {args.timeout:g}; expected seconds, > 0 and <= 3600")
-    if args.trace_dir is not None and not args.trace_dir.strip():
-        raise UsageError(f"%%tfprofile: --trace-dir {args.trace_dir!r}; expected a directory path")
     if cell is None or not cell.strip():
-        raise UsageError("%%tfprofile: the cell is empty; put the code to profile on the lines below %%tfprofile")
+        raise UsageError("%%tfprofile: the cell is empty; put the code to profile on the lines "
+                         "below %%tfprofile")
     return {"timeout": args.timeout, "trace_dir": args.trace_dir}, args.output
 
 
@@ -109,25 +183,31 @@ def parse_tfplace(line: str) -> tuple[str, dict, str | None]:
     return args.model, kw, args.output
 
 
+def _run_action(action: str, kw: dict):
+    if action == "local":
+        return core.local(**kw)
+    if action == "connect":
+        return core.connect(**kw)
+    cluster = core.current()
+    return cluster.status(**kw) if action == "status" else getattr(cluster, action)()
+
+
+def _tfcluster_doc(doc: str) -> str:
+    """The magic's docstring followed by each action's generated help."""
+    return doc + "\n".join(f"\n{name}\n{'-' * len(name)}\n{ACTIONS[name].__doc__}"
+                           for name in ACTIONS)
+
+
 @magics_class
 class TfnbMagics(Magics):
     """``%tfcluster``, ``%%tfprofile`` and ``%tfplace``."""
 
-    @magic_arguments()
-    @argument("action", help="one of: " + ", ".join(_ACTIONS))
-    @argument("target", nargs="?", default=None,
-              help="local: number of workers (1-64); connect: 'host:port,host:port' or a JSON file")
-    @argument("--timeout", type=float, default=None,
-              help="seconds each worker has to answer (connect, status) or to start (local)")
-    @argument("--tf-config", action="store_true", help="connect: read the cluster from TF_CONFIG")
-    @argument("--file", default=None, help="connect: a JSON cluster file")
-    @argument("--advertise", default=None, help="connect: host the workers use to reach this client")
-    @argument("--isolate", action="store_true",
-              help="local: keep the workers unreachable from other hosts (Linux, root, nftables)")
-    @argument("-o", "--output", default=None, help="store the result object in this variable")
     @line_magic
     def tfcluster(self, line: str = ""):
         """Start, reach, inspect or stop the TF cluster this notebook uses.
+
+        ``%tfcluster ACTION [options]``, ACTION one of local, connect, status, disconnect, stop;
+        each action's options are the keywords of the function it calls (below).
 
         Examples
         --------
@@ -140,25 +220,15 @@ class TfnbMagics(Magics):
           %tfcluster stop
         """
         action, kw, output = parse_tfcluster(line)
-        import tfnb.cluster as core
-
         try:
-            if action == "local":
-                result = core.local(**kw)
-            elif action == "connect":
-                result = core.connect(**kw)
-            elif action == "status":
-                result = core.current().status(**kw)
-            elif action == "disconnect":
-                result = core.current().disconnect()
-            else:
-                result = core.current().stop()
+            result = _run_action(action, kw)
         except TfnbError as e:
-            raise UsageError(str(e)) from None
+            raise UsageError(f"%tfcluster {action}: {e}") from None
         if output:
             self.shell.user_ns[output] = result
         return result
 
+    tfcluster.__doc__ = _tfcluster_doc(tfcluster.__doc__)
 
     @magic_arguments()
     @argument("-o", "--output", default=None, help="store the Profile in this variable")
@@ -182,10 +252,6 @@ class TfnbMagics(Magics):
           out = placed.generate("Hello", max_new_tokens=8)
         """
         kw, output = parse_tfprofile(line, cell)
-        import ast
-
-        from tfnb.profiler import profile_call
-
         code = compile(ast.parse(self.shell.transform_cell(cell)), "<%%tfprofile cell>", "exec")
         started = []
 
@@ -196,8 +262,8 @@ class TfnbMagics(Magics):
         try:
             result = profile_call(run_cell, **kw)
         except TfnbError as e:
-            if not started:  # ours (e.g. not connected), not the cell's
-                raise UsageError(str(e)) from None
+            if not started:  # ours (e.g. not connected, a bad --timeout), not the cell's
+                raise UsageError(f"%%tfprofile: {e}") from None
             self._store(output, e)
             raise
         except BaseException as e:
@@ -209,11 +275,11 @@ class TfnbMagics(Magics):
 
     @magic_arguments()
     @argument("model", help="name of the variable holding the model (never evaluated)")
-    @argument("--mode", choices=("auto", "manual"), default="auto",
+    @argument("--mode", choices=EDITOR_MODES, default=AUTO,
               help="auto: a planner fills the rows (default); manual: start from them and edit")
-    @argument("--planner", choices=("optimal", "greedy", "memory"), default=None,
+    @argument("--planner", choices=PIPELINE_PLANNERS, default=None,
               help="the planner of auto mode (default optimal)")
-    @argument("--objective", choices=("latency", "throughput"), default="latency",
+    @argument("--objective", choices=OBJECTIVES, default="latency",
               help="what the planner minimises (default latency)")
     @argument("-o", "--output", default=None, help="store the editor in this variable")
     @line_magic
@@ -237,6 +303,7 @@ class TfnbMagics(Magics):
         if name not in self.shell.user_ns:
             raise UsageError(f"%tfplace: no variable {name!r} in this notebook; expected the name "
                              "of a model, e.g. model = tfnb.load_model('smollm2')")
+        # here, not at the top: %load_ext tfnb does not import ipywidgets
         from tfnb.notebook.widgets import PlacementEditor
 
         try:
@@ -282,7 +349,5 @@ def show_figures_inline(ipython) -> bool:
 
 def load_ipython_extension(ipython) -> None:
     ipython.register_magics(TfnbMagics)
-    from tfnb.notebook.stream import enable
-
     enable(ipython)  # live text for generate calls, in Jupyter kernels only
     show_figures_inline(ipython)

@@ -44,6 +44,8 @@ def profile(cluster=None, *, timeout: float = 60.0, trace_dir=None):
     >>> prof.partial, prof.busy()                          # doctest: +SKIP
     """
     t = check_timeout(timeout)
+    if trace_dir is not None and not str(trace_dir).strip():
+        raise ProfileError(f"trace_dir={trace_dir!r}; expected a directory path")
     cap = Capture(resolve_cluster(cluster), timeout=t)
     prof = Profile()
     cap.start()
