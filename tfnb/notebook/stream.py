@@ -10,6 +10,8 @@ import html
 
 from IPython.display import HTML, display
 
+from tfnb import hooks
+
 
 class LiveText:
     """An ``on_chunk`` callback that keeps one display area up to date.
@@ -43,7 +45,5 @@ def enable(ipython) -> bool:
     """Install the live display for generate calls when ``ipython`` is a Jupyter kernel."""
     if type(ipython).__name__ != "ZMQInteractiveShell":
         return False
-    from tfnb import hooks
-
     hooks.display_hook = LiveText
     return True
