@@ -27,7 +27,7 @@ tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfigu
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from tfnb.models.model import load_model, tiny  # noqa: E402
-from tfnb.runtime import place  # noqa: E402
+from tfnb.runtime import place_llama as place  # noqa: E402
 
 
 def bench_model(model, prompt_ids, new, repeat, which, devices=None):

@@ -72,14 +72,14 @@ def hf(model):
 @pytest.fixture(scope="module")
 def pm1(model):
     """One device, the whole decode loop in one XLA computation."""
-    from tfnb.runtime import place
+    from tfnb.runtime import place_llama as place
 
     return place(model, CPU[:1], xla_loop=True)
 
 
 @pytest.fixture(scope="module")
 def pm3(model):
-    from tfnb.runtime import place
+    from tfnb.runtime import place_llama as place
 
     return place(model, CPU)
 
@@ -87,7 +87,7 @@ def pm3(model):
 @pytest.fixture(scope="module")
 def pm2(model):
     """Two devices, the head back on the embedding's device (a tied head shares its table)."""
-    from tfnb.runtime import place
+    from tfnb.runtime import place_llama as place
 
     return place(model, {"embed": CPU[1], "block.0": CPU[1], "block.1": CPU[0], "head": CPU[1]})
 
@@ -168,7 +168,7 @@ def test_chat_applies_the_template(model, pm1):
 @needs_devices
 def test_repeated_calls_in_one_bucket_do_not_retrace(pm3):
     pm3.generate("Hello", max_new_tokens=10)
-    fns = [f for p in pm3._programs.values() for f in p.outer.values()]
+    fns = [f for p in pm3._programs.values() for f in p.graphs.values()]
     counts = [f.experimental_get_tracing_count() for f in fns]
     pm3.generate("Hello you", max_new_tokens=12)  # same (batch, prompt, length) buckets
     assert [f.experimental_get_tracing_count() for f in fns] == counts
@@ -226,7 +226,7 @@ def test_bad_stream_arguments_raise_at_the_call(pm1):
 
 @needs_devices
 def test_bad_assignments_raise_placement_error(model):
-    from tfnb.runtime import place
+    from tfnb.runtime import place_llama as place
 
     full = {"embed": CPU[0], "block.0": CPU[0], "block.1": CPU[1], "head": CPU[1]}
     with pytest.raises(PlacementError, match="'head' has no device"):
@@ -243,11 +243,13 @@ def test_bad_assignments_raise_placement_error(model):
 
 @needs_devices
 def test_a_hung_call_raises_worker_lost_within_the_timeout(model, monkeypatch):
-    from tfnb.runtime import place
+    from tfnb.runtime import place_llama as place
 
     pm = place(model, CPU[:2], timeout=0.3)
     pm.compile_timeout = None  # a first call may compile for longer; this one is not new
-    monkeypatch.setattr(pm, "_outer", lambda *a: (lambda *args: time.sleep(3)))
+    from tfnb.runtime.graphs import Program
+
+    monkeypatch.setattr(Program, "generate_fn", lambda *a: (lambda *args: time.sleep(3)))
     start = time.perf_counter()
     with pytest.raises(WorkerLostError, match=r"no answer within 0.3 s.*CPU:0.*CPU:1"):
         pm.generate("Hello", max_new_tokens=4)
@@ -268,17 +270,17 @@ def test_replace_moves_only_the_changed_stages(pm3):
 
 @needs_devices
 def test_lost_state_makes_generate_raise_worker_lost(model):
-    from tfnb.runtime import place
+    from tfnb.runtime import place_llama as place
 
     pm = place(model, CPU[:1])
-    pm._on_state_lost("worker task 0 restarted")
+    pm.on_state_lost("worker task 0 restarted")
     with pytest.raises(WorkerLostError, match="task 0 restarted.*place it again"):
         pm.generate("Hello")
 
 
 @needs_devices
 def test_a_failing_worker_raises_worker_lost_naming_it(model, monkeypatch):
-    from tfnb.runtime import place
+    from tfnb.runtime import place_llama as place
 
     pm = place(model, CPU[:2])
     pm.devices = ["/job:worker/replica:0/task:0/device:CPU:0",
@@ -288,6 +290,8 @@ def test_a_failing_worker_raises_worker_lost_naming_it(model, monkeypatch):
         raise tf.errors.UnavailableError(None, None, "Socket closed from /job:worker/replica:0/"
                                                      "task:1 while running")
 
-    monkeypatch.setattr(pm, "_outer", lambda *a: fail)
+    from tfnb.runtime.graphs import Program
+
+    monkeypatch.setattr(Program, "generate_fn", lambda *a: fail)
     with pytest.raises(WorkerLostError, match=r"\['/job:worker/replica:0/task:1/device:CPU:0'\]"):
         pm.generate("Hello", max_new_tokens=4)

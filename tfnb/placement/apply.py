@@ -72,11 +72,12 @@ def place(model, plan=None, cluster=None, *, timeout: float | None = 60.0, previ
         unknown = sorted(set(assignment.values()) - set(cluster.devices))
         if unknown:
             raise PlacementError(f"device {unknown[0]!r} is not in the cluster; it has {cluster.devices}")
+    # the runtime imports TensorFlow: only when a model is placed
     if model.arch == "llama":
-        from tfnb.runtime import place as place_llama
+        from tfnb.runtime import place_llama
 
         if previous is not None and hasattr(previous, "replace"):
-            placed = previous.replace(assignment)
+            placed = previous.replace(assignment)  # a lost previous placement reuses nothing
         else:
             placed = place_llama(model, assignment, timeout=timeout)
     elif model.arch == "keras":
@@ -86,7 +87,7 @@ def place(model, plan=None, cluster=None, *, timeout: float | None = 60.0, previ
     else:
         raise PlacementError(f"model {model.name!r} has arch {model.arch!r}: place() runs llama-family "
                              "models and Keras chains; run this one in one process with model.hf_model")
-    placed.plan = plan if isinstance(plan, Plan) else None
+    placed.plan = plan if isinstance(plan, Plan) else None  # a declared attribute of both
     if cluster is not None:
         n = len(set(assignment.values()))
         cluster.register(placed, f"{model.name} placed on {n} device{'s' * (n > 1)}", assignment.values())

@@ -1,15 +1,23 @@
 """Placed llama inference: stages on TF devices, one graph call per generate (or chunk).
 
+- ``graphs``: the compiled-segment protocol (segments, their XLA functions, the generate graph);
+- ``weights``: weights and KV caches as variables on the segments' devices;
+- ``requests`` and ``session``: checking a generate call, and its client-side chunk loop;
+- ``placed``: ``PlacedModel``, which ties them together; ``faults``: deadlines and liveness;
+- ``calibrate``: stage times for the planners, with the same compiled functions.
+
 Examples
 --------
->>> from tfnb.runtime import place                             # doctest: +SKIP
->>> pm = place(model, ["/device:CPU:0", "/device:CPU:1"])       # doctest: +SKIP
+>>> from tfnb.runtime import place_llama                       # doctest: +SKIP
+>>> pm = place_llama(model, ["/device:CPU:0", "/device:CPU:1"]) # doctest: +SKIP
 >>> pm.generate("Hello", max_new_tokens=16)                     # doctest: +SKIP
 """
 
-from tfnb.runtime.devices import even_split, resolve_assignment, stage_names
-from tfnb.runtime.placed import PlacedModel, Segment, place
+from tfnb.runtime.devices import even_split, resolve_assignment
+from tfnb.runtime.graphs import Segment
+from tfnb.runtime.placed import PlacedModel, place_llama
+from tfnb.runtime.requests import GenerateOptions, GenerateRequest
 from tfnb.runtime.session import ChunkEvent
 
-__all__ = ["place", "PlacedModel", "Segment", "ChunkEvent", "stage_names", "even_split",
-           "resolve_assignment"]
+__all__ = ["place_llama", "PlacedModel", "Segment", "ChunkEvent", "GenerateOptions",
+           "GenerateRequest", "even_split", "resolve_assignment"]

@@ -5,7 +5,7 @@ mislead: decoding one token multiplies vectors by matrices, so it reads every we
 does two FLOPs per weight read. Memory bandwidth bounds it, not FLOP/s. On the 2-core test machine,
 a SmolLM2 block runs at about 5 GFLOP/s, against 30 GFLOP/s or more for the square matmuls that
 measure a device's speed. So ``time_stages`` runs the runtime's compiled decode functions
-(:func:`tfnb.runtime.placed._segment_functions`, XLA, as ``generate`` runs them) on the device:
+(:func:`tfnb.runtime.graphs.segment_functions`, XLA, as ``generate`` runs them) on the device:
 
 - weights of the model's shapes (what the time depends on) with random values, made once on
   the client and copied to each device (about 250 MB for SmolLM2);
@@ -35,35 +35,31 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from tfnb.models.chain import llama_chain
+from tfnb.models.chain import llama_chain, stage_names
 from tfnb.models.llama import random_weights
-from tfnb.runtime.placed import PlacedModel, Segment, _segment_functions
+from tfnb.runtime.graphs import HeadIn, Segment, client_cpu, pack_ctl, segment_functions
+from tfnb.runtime.weights import kv_caches, segment_params
 
 __all__ = ["time_stages", "stage_timer"]
 
 
 def _loops(small, weights, device: str, batch: int, slots: int) -> dict:
     """``{kind: loop}`` for the embedding, ``small``'s blocks and the head, on ``device``."""
-    k = small.n_layers
-    names = ["embed"] + [f"block.{i}" for i in range(k)] + ["head"]
-    params = PlacedModel(small, weights, None, dict.fromkeys(names, device),
-                         timeout=None).params[0]
-    shape = [batch, small.n_kv_heads, slots, small.head_dim]
-    with tf.device(device):
-        caches = [(tf.Variable(tf.zeros(shape), trainable=False),
-                   tf.Variable(tf.zeros(shape), trainable=False)) for _ in range(k)]
+    names = stage_names(small.n_layers)
+    whole = segment_params(small, weights, Segment(device, tuple(names)), head_device=device)
+    blocks = Segment(device, tuple(names[1:-1]))
+    caches = kv_caches(blocks, [batch, small.n_kv_heads, slots, small.head_dim])
     eos = small.eos_ids or (0,)
-    embeds = {key: v for key, v in params.items() if key.startswith("embed_")}
+    embeds = {key: v for key, v in whole.items() if key.startswith("embed_")}
     parts = {
-        "embed": (Segment(device, ("embed",), (), True, False), {"blocks": [], **embeds}, []),
-        "block": (Segment(device, tuple(names[1:-1]), tuple(range(k)), False, False),
-                  {"blocks": params["blocks"]}, caches),
-        "head": (Segment(device, ("head",), (), False, True),
-                 {"blocks": [], "final_norm": params["final_norm"],
-                  "out_DxV": params["out_DxV"]}, []),
+        "embed": (Segment(device, ("embed",)), {"blocks": [], **embeds}, []),
+        "block": (blocks, {"blocks": whole["blocks"]}, caches),
+        "head": (Segment(device, ("head",)),
+                 {"blocks": [], "final_norm": whole["final_norm"], "out_DxV": whole["out_DxV"]},
+                 []),
     }
-    return {kind: _timed_loop(_segment_functions(seg, p, c, small, eos, 0)[1], device, kind,
-                              small, batch)
+    return {kind: timed_loop(segment_functions(seg, p, c, small, eos, 0).decode, device, kind,
+                             small, batch)
             for kind, (seg, p, c) in parts.items()}
 
 
@@ -73,22 +69,22 @@ def _per_step(loops: dict, steps: int, repeats: int) -> dict:
     alike)."""
     took: dict = {}
     for name, loop in loops.items():
-        loop(tf.constant(1)).numpy()  # trace + compile
+        loop(1).numpy()  # trace + compile
         took[name] = {1: [], 1 + steps: []}
     for _ in range(repeats):
         for name, loop in loops.items():
             for n in (1, 1 + steps):
                 t0 = time.perf_counter()
-                loop(tf.constant(n)).numpy()
+                loop(n).numpy()
                 took[name][n].append(time.perf_counter() - t0)
     return {name: max(0.0, float(np.median(t[1 + steps]) - np.median(t[1]))) / steps
             for name, t in took.items()}
 
 
-def _timed_loop(decode, device: str, kind: str, config, batch: int):
-    """A function running ``decode`` ``n`` times on ``device`` in a graph loop."""
+def timed_loop(decode, device: str, kind: str, config, batch: int):
+    """``f(n)``: ``decode`` (a segment's decode function) run ``n`` times on ``device`` in a
+    graph loop."""
     D = config.hidden_size
-    head_in = (tf.zeros([batch], tf.bool), tf.constant([1.0, 1.0]), tf.constant([0, 0]))
 
     @tf.function
     def loop(n):
@@ -96,12 +92,13 @@ def _timed_loop(decode, device: str, kind: str, config, batch: int):
             x = tf.zeros([batch, 1, D])
             tok = tf.zeros([batch], tf.int32)
             pad = tf.zeros([batch], tf.int32)
+            head_in = tuple(HeadIn.greedy(batch))
 
             def body(i, x, tok):
                 with tf.device(device):
-                    ctl = tf.concat([[1 + i], pad], axis=0)
                     if kind == "embed":
-                        return i + 1, decode(None, tf.concat([ctl, tok], 0), None, None), tok
+                        return i + 1, decode(None, pack_ctl(1 + i, pad, tok), None, None), tok
+                    ctl = pack_ctl(1 + i, pad)
                     if kind == "head":
                         tok, _ = decode(x, ctl, "greedy", head_in)
                         return i + 1, x, tok
@@ -111,6 +108,8 @@ def _timed_loop(decode, device: str, kind: str, config, batch: int):
             return tf.reduce_sum(x) + tf.cast(tf.reduce_sum(tok), tf.float32)
 
     def on_device(n):  # called from the device, so the loop does not wait on the client
+        with tf.device(client_cpu()):  # the count is made here: see graphs.OnDevice
+            n = tf.constant(n)
         with tf.device(device):
             return loop(n)
 

@@ -1,4 +1,4 @@
-"""Stage names of a llama model and checking an assignment of stages to TF devices.
+"""Checking an assignment of stages to TF devices.
 
 Devices are plain strings. A partial spec such as ``"/device:CPU:1"`` or ``"CPU:1"`` names the
 logical device it matches (preferring the client's own job when a cluster is connected); the
@@ -10,20 +10,9 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tfnb.errors import PlacementError
+from tfnb.runtime.graphs import client_cpu
 
-__all__ = ["stage_names", "resolve_device", "resolve_assignment", "even_split"]
-
-
-def stage_names(config) -> list[str]:
-    """``["embed", "block.0", ..., "block.{n-1}", "head"]``.
-
-    Examples
-    --------
-    >>> from tfnb.models.llama import tiny_config
-    >>> stage_names(tiny_config())
-    ['embed', 'block.0', 'block.1', 'head']
-    """
-    return ["embed"] + [f"block.{i}" for i in range(config.n_layers)] + ["head"]
+__all__ = ["resolve_device", "resolve_assignment", "even_split"]
 
 
 def _spec_fields(spec: tf.DeviceSpec) -> dict:
@@ -34,7 +23,7 @@ def _spec_fields(spec: tf.DeviceSpec) -> dict:
 
 def _own_job() -> str:
     """The job of this process's devices (``localhost``, or the client's job in a cluster)."""
-    return tf.DeviceSpec.from_string(tf.constant(0).device).job or "localhost"
+    return tf.DeviceSpec.from_string(client_cpu()).job or "localhost"
 
 
 def resolve_device(device, available: list[str] | None = None) -> str:

@@ -1,22 +1,40 @@
-"""Run a TF call with a deadline and turn lost-worker failures into ``WorkerLostError``.
+"""Run a TF call with a deadline and liveness probes; turn lost-worker failures into
+``WorkerLostError``.
 
 TensorFlow has no timeout for an op on a worker that stopped answering (a SIGSTOPped or
 unreachable worker hangs the call forever), so the call runs in a daemon helper thread and the
-caller waits with a deadline. A hung call cannot be cancelled; its thread is abandoned and the
-caller is told to reconnect and place the model again.
+caller waits: until the deadline, and meanwhile probes the workers the call uses every
+``PROBE_EVERY_S`` seconds (TF's GetStatus, as ``Cluster.status()`` does). A worker that does not
+answer a probe within its timeout fails the call at once, whatever the deadline (a first call
+that compiles may be allowed minutes). A hung call cannot be cancelled; its thread is abandoned
+and the caller is told to reconnect and place the model again.
+
+Waiting is only possible while the helper thread does not hold the GIL. Two TF calls do hold it
+while a remote worker is silent (probed on TF 2.21 with a SIGSTOPped worker): converting a
+Python or numpy value to a tensor under a remote device scope (``graphs.OnDevice`` and
+``weights`` make every value on the client first), and registering a newly traced function
+with the eager context, which sends it to every worker and waits (``TFE_ContextAddFunction``).
+For the latter, :func:`guard_function_registration` probes the workers right before each
+registration and raises instead of entering the call when one is silent.
 """
 
 from __future__ import annotations
 
 import re
 import threading
+import time
 from typing import Callable, Sequence
 
 import tensorflow as tf
+from tensorflow.python.eager import context
 
 from tfnb.errors import WorkerLostError
 
-__all__ = ["call_with_deadline", "devices_named_in", "LOST_WORKER_ERRORS"]
+__all__ = ["call_with_deadline", "devices_named_in", "LOST_WORKER_ERRORS",
+           "guard_function_registration", "silent_workers", "PROBE_EVERY_S", "PROBE_TIMEOUT_S"]
+
+PROBE_EVERY_S = 2.0   # liveness probe interval while a call runs
+PROBE_TIMEOUT_S = 3.0  # a worker silent this long is lost (GetStatus answers in ~1 ms)
 
 # Errors TF raises when a worker died, restarted (its resources are gone) or the link broke.
 LOST_WORKER_ERRORS = (
@@ -45,8 +63,14 @@ def devices_named_in(message: str, devices: Sequence[str]) -> list[str]:
 
 
 def call_with_deadline(fn: Callable, args: tuple, *, timeout: float | None,
-                       devices: Sequence[str], what: str = "generate"):
-    """``fn(*args)``, raising ``WorkerLostError`` after ``timeout`` s or on a lost worker.
+                       devices: Sequence[str], what: str = "generate",
+                       probe_timeout: float | None = PROBE_TIMEOUT_S,
+                       on_start: Callable[[threading.Thread], None] | None = None):
+    """``fn(*args)``, raising ``WorkerLostError`` after ``timeout`` s, when a worker holding
+    ``devices`` stops answering probes (``probe_timeout``; None: no probes), or on a lost worker.
+
+    ``on_start`` gets the helper thread, so a caller interrupted by Ctrl-C can wait for the call
+    it left running before starting another.
 
     Examples
     --------
@@ -68,14 +92,9 @@ def call_with_deadline(fn: Callable, args: tuple, *, timeout: float | None,
 
     thread = threading.Thread(target=target, name=f"tfnb-{what}", daemon=True)
     thread.start()
-    thread.join(timeout)
-    if thread.is_alive():
-        silent = _unhealthy_workers(devices)
-        where = f"; not answering now: {', '.join(silent)}" if silent else ""
-        raise WorkerLostError(
-            f"{what} got no answer within {timeout} s from devices {list(devices)}{where}: a "
-            "worker may be stopped, hung or unreachable. Check the workers, reconnect the cluster "
-            "and place the model again (this placed model is no longer usable).")
+    if on_start is not None:
+        on_start(thread)
+    _wait(thread, timeout, devices, what, probe_timeout)
     if "error" in result:
         error = result["error"]
         down = _unhealthy_workers(devices) if isinstance(error, tf.errors.OpError) else []
@@ -90,27 +109,98 @@ def call_with_deadline(fn: Callable, args: tuple, *, timeout: float | None,
     return result["value"]
 
 
+def _wait(thread: threading.Thread, timeout: float | None, devices: Sequence[str], what: str,
+          probe_timeout: float | None) -> None:
+    """Join ``thread`` until it ends; WorkerLostError at the deadline or on a silent worker."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    addresses = _worker_addresses(devices) if probe_timeout else {}
+    while True:
+        left = None if deadline is None else deadline - time.monotonic()
+        thread.join(PROBE_EVERY_S if left is None else max(0.0, min(PROBE_EVERY_S, left)))
+        if not thread.is_alive():
+            return
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            silent = _unhealthy_workers(devices)
+            where = f"; not answering now: {', '.join(silent)}" if silent else ""
+            raise WorkerLostError(
+                f"{what} got no answer within {timeout} s from devices {list(devices)}{where}: "
+                "a worker may be stopped, hung or unreachable. Check the workers, reconnect the "
+                "cluster and place the model again (this placed model is no longer usable).")
+        if addresses:
+            # the probe may use what is left of the deadline, not more
+            wait = probe_timeout if left is None else max(0.2, min(probe_timeout, left))
+            silent = silent_workers(addresses, wait)
+            if silent and thread.is_alive():
+                raise WorkerLostError(
+                    f"{what} stopped: {', '.join(silent)}, used by this call, stopped answering "
+                    f"(no reply to a status probe within {wait:g} s). The worker may be stopped "
+                    "or hung; check it, reconnect the cluster and place the model again.")
+
+
+def _worker_addresses(devices: Sequence[str] | None) -> dict[str, str]:
+    """``{address: task}`` of the current cluster's workers that hold ``devices`` (None: all)."""
+    from tfnb.cluster import current
+
+    cluster = current(required=False)
+    if cluster is None:
+        return {}
+    used = None if devices is None else {d.split("/device:")[0] for d in devices}
+    return {address: task for address, task in zip(cluster.spec.addresses, cluster.workers)
+            if used is None or task in used}
+
+
+def silent_workers(addresses: dict[str, str], timeout: float, states=("unresponsive",)) -> list[str]:
+    """``["<task> at <address> (<why>)"]`` for the workers whose probe state is in ``states``."""
+    from tfnb.cluster.probe import probe_all
+
+    return [f"{addresses[r.address]} at {r.address} ({r.state}: {r.error})" if r.error else
+            f"{addresses[r.address]} at {r.address} ({r.state})"
+            for r in probe_all(list(addresses), timeout) if r.state in states]
+
+
+def guard_function_registration() -> None:
+    """Probe the current cluster's workers before TF registers a new function with them.
+
+    Registration holds the GIL until every worker has answered (see the module docstring), so
+    a silent worker would freeze the whole process, a notebook kernel included. With the guard,
+    tracing a new function while a worker is silent raises ``WorkerLostError`` naming it. A
+    worker that is down (connection refused) is left to TF, which fails fast itself. A worker
+    that stops in the moment between the probe and the registration is not caught. Installed
+    once per process, by importing this module; it costs one probe (about 1 ms on loopback)
+    per registered function and nothing while no cluster is connected.
+    """
+    original = context.Context.add_c_function
+    if getattr(original, "tfnb_guard", False):
+        return
+
+    def add_c_function(self, c_func):
+        addresses = _worker_addresses(None) if self._context_handle is not None else {}
+        if addresses:
+            silent = silent_workers(addresses, PROBE_TIMEOUT_S)
+            if silent:
+                raise WorkerLostError(
+                    f"cannot send a new function to the cluster: {', '.join(silent)} stopped "
+                    "answering. Check the worker, reconnect the cluster and place the model "
+                    "again.")
+        return original(self, c_func)
+
+    add_c_function.tfnb_guard = True
+    context.Context.add_c_function = add_c_function
+
+
+guard_function_registration()
+
+
 def _unhealthy_workers(devices: Sequence[str], timeout: float = 1.0) -> list[str]:
-    """Workers holding ``devices`` that do not answer a probe now, e.g. ``['127.0.0.1:3 (down)']``.
+    """Workers holding ``devices`` that do not answer a probe now, e.g.
+    ``['/job:worker/replica:0/task:1 at 127.0.0.1:3 (down)']``.
 
     A worker killed in the middle of a multi-device call surfaces as whatever error the
     surviving side saw (``InternalError: ... poisoned``, ``CancelledError``, ...); asking the
     workers is more reliable than reading the message.
     """
-    from tfnb.cluster import current
-    from tfnb.cluster.probe import probe_all
-
-    cluster = current(required=False)
-    if cluster is None:
-        return []
-    used = {d.split("/device:")[0] for d in devices}
-    addresses = [a for (_, _, a), task in zip(cluster.spec.tasks(), cluster.workers) if task in used]
-    return [f"{task_of(r.address, cluster)} at {r.address} ({r.state})"
-            for r in probe_all(addresses, timeout) if r.state != "up"]
-
-
-def task_of(address: str, cluster) -> str:
-    return dict(zip(cluster.spec.addresses, cluster.workers))[address]
+    return silent_workers(_worker_addresses(devices), timeout, states=("down", "unresponsive"))
 
 
 def _resource_gone(error: BaseException) -> bool:

@@ -11,6 +11,8 @@ import tensorflow as tf
 
 from tfnb.errors import PlacementError
 from tfnb.runtime.devices import resolve_assignment
+from tfnb.runtime.faults import call_with_deadline
+from tfnb.runtime.graphs import client_cpu
 
 
 def _chain_layers(keras_model) -> list:
@@ -26,11 +28,14 @@ class PlacedLayers:
     >>> placed(x).shape                                                # doctest: +SKIP
     """
 
-    def __init__(self, model, assignment: dict[str, str], layers: list):
+    def __init__(self, model, assignment: dict[str, str], layers: list, *,
+                 timeout: float | None = 60.0, plan=None):
         self.model = model
         self.assignment = assignment
+        self.timeout, self.plan = timeout, plan
         self._layers = layers  # [(device, rebuilt layer)]
         self.lost: str | None = None
+        self.devices = sorted(set(assignment.values()))
         self._forward = tf.function(self._run)
 
     def _run(self, x):
@@ -47,11 +52,15 @@ class PlacedLayers:
     def __call__(self, x) -> np.ndarray:
         if self.lost:
             raise PlacementError(f"{self.model.name} must be placed again: {self.lost}")
-        return self._forward(tf.convert_to_tensor(x)).numpy()
+        with tf.device(client_cpu()):  # made here, not under a remote scope: see graphs.OnDevice
+            x = tf.convert_to_tensor(x)
+        return call_with_deadline(lambda: self._forward(x).numpy(), (), timeout=self.timeout,
+                                  devices=self.devices, what=f"{self.model.name} forward pass")
 
     predict = __call__
 
-    def _on_state_lost(self, reason: str) -> None:
+    def on_state_lost(self, reason: str) -> None:
+        """Called by the cluster when a worker holding our variables restarted or died."""
         self.lost = reason
 
     def __repr__(self) -> str:
@@ -69,13 +78,20 @@ def place_layers(model, assignment) -> PlacedLayers:
     km = model.keras_model
     layers = _chain_layers(km)
     resolved = resolve_assignment(assignment, [layer.name for layer in layers])
-    rebuilt = []
-    for layer in layers:
+
+    def rebuild(layer):
+        with tf.device(client_cpu()):  # the values are made here: see graphs.OnDevice
+            values = [tf.constant(w) for w in layer.get_weights()]
         with tf.device(resolved[layer.name]):
             clone = layer.__class__.from_config(layer.get_config())
             clone.build(tuple(layer.input.shape))
-            clone.set_weights(layer.get_weights())
-        rebuilt.append((resolved[layer.name], clone))
+            for var, value in zip(clone.weights, values):
+                var.assign(value)
+        return resolved[layer.name], clone
+
+    rebuilt = call_with_deadline(lambda: [rebuild(layer) for layer in layers], (), timeout=600.0,
+                                 devices=sorted(set(resolved.values())),
+                                 what=f"creating {model.name}'s layers")
     placed = PlacedLayers(model, resolved, rebuilt)
     shape = [2 if d is None else d for d in km.inputs[0].shape]
     probe_x = np.random.default_rng(0).standard_normal(shape).astype("float32")

@@ -7,15 +7,129 @@ the compiled functions.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import numbers
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
+from tfnb import hooks
 from tfnb.errors import GenerateError
 
 __all__ = ["Sampling", "check_sampling", "check_max_new_tokens", "prompt_ids", "bucket",
-           "Batch", "make_batch", "check_stop"]
+           "Batch", "make_batch", "check_stop", "GenerateOptions", "GenerateRequest",
+           "with_options_signature"]
+
+DEFAULT_CHUNK = 16  # tokens per call when streaming, with stop strings or an on_chunk hook
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    """The keyword options of ``generate``/``generate_ids``, as given (checked by
+    :meth:`GenerateRequest.check`). This is the one place they are spelled out.
+
+    Parameters
+    ----------
+    max_new_tokens : int
+        Tokens to generate per row (fewer if a row ends with an EOS token or a stop string).
+    do_sample, temperature, top_k, top_p, seed
+        Greedy by default; with ``do_sample=True`` sample in-graph, reproducibly per ``seed``
+        (the same tokens whatever ``chunk_tokens``).
+    stop : str or list of str
+        The text is cut before the first stop string; checked on the client between chunks.
+    stream : bool
+        Return an iterator of new text (or ids) per chunk instead.
+    chunk_tokens : int
+        Tokens per graph call (default: all at once, or 16 with ``stream``/``stop``/
+        ``on_chunk``).
+    on_chunk : callable
+        Called after each chunk with a ``ChunkEvent`` (token count, tokens/s, new text).
+    """
+    max_new_tokens: int = 32
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: object = None
+    stream: bool = False
+    chunk_tokens: int | None = None
+    on_chunk: Callable | None = None
+
+    @classmethod
+    def of(cls, options: dict) -> "GenerateOptions":
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = [k for k in options if k not in names]
+        if unknown:
+            raise GenerateError(f"unknown option {unknown[0]!r}: expected one of {names}")
+        return cls(**options)
+
+
+def with_options_signature(method):
+    """Give ``method(self, prompts, **options)`` the signature of :class:`GenerateOptions`'
+    fields as keyword-only parameters, so ``help()`` and tab completion show them."""
+    sig = inspect.signature(method)
+    head = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    extra = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
+                               annotation=f.type) for f in dataclasses.fields(GenerateOptions)]
+    method.__signature__ = sig.replace(parameters=head + extra)
+    return method
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One generate call's prompts as token ids and its options, checked once.
+
+    Examples
+    --------
+    >>> from tfnb.models.llama import tiny_config
+    >>> r = GenerateRequest.check([1, 5], tokenizer=None, config=tiny_config(), text=False,
+    ...                           options=GenerateOptions(max_new_tokens=4))
+    >>> r.rows, r.max_new_tokens, r.sampling.mode, r.chunk_tokens
+    ([[1, 5]], 4, 'greedy', 4)
+    """
+    rows: list
+    single: bool
+    text: bool
+    max_new_tokens: int
+    sampling: Sampling
+    stops: tuple
+    stream: bool
+    chunk_tokens: int
+    on_chunk: Callable | None
+
+    @classmethod
+    def check(cls, prompts, *, tokenizer, config, text: bool,
+              options: GenerateOptions) -> "GenerateRequest":
+        """Tokenize ``prompts`` and check every option; GenerateError names the first bad one."""
+        o = options
+        rows, single = prompt_ids(prompts, tokenizer, config.vocab_size)
+        longest = max(len(r) for r in rows)
+        if longest >= config.max_context:
+            raise GenerateError(f"prompt of {longest} tokens does not fit the context of "
+                                f"{config.max_context} tokens: expected fewer than "
+                                f"{config.max_context}")
+        max_new = check_max_new_tokens(o.max_new_tokens, config.max_context)
+        sampling = check_sampling(o.do_sample, o.temperature, o.top_k, o.top_p, o.seed)
+        stops = check_stop(o.stop)
+        if stops and tokenizer is None:
+            raise GenerateError(f"stop={o.stop!r}: stop strings need a tokenizer; this model "
+                                "has none")
+        if not isinstance(o.stream, bool):
+            raise GenerateError(f"stream={o.stream!r}: expected True or False")
+        on_chunk = o.on_chunk
+        if on_chunk is None and text and not o.stream and hooks.display_hook is not None:
+            on_chunk = hooks.display_hook()  # a live display in notebooks
+        chunk = o.chunk_tokens
+        if chunk is None:
+            chunk = DEFAULT_CHUNK if (o.stream or stops or on_chunk) else max_new
+        if not _is_int(chunk) or chunk < 1:
+            raise GenerateError(f"chunk_tokens={chunk!r}: expected an integer >= 1")
+        if on_chunk is not None and not callable(on_chunk):
+            raise GenerateError(f"on_chunk={on_chunk!r}: expected a callable or None")
+        return cls(rows, single, text, max_new, sampling, stops, o.stream, int(chunk), on_chunk)
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,8 @@
 
 Each chunk is one call of the placed model's graph function; between chunks the client collects
 the new tokens, checks stop strings, reports a ``ChunkEvent`` and, when streaming, yields text.
-All arguments are checked when the session is made, so a bad argument raises at the call, also
-with ``stream=True``.
+All arguments are checked once, by ``GenerateRequest.check``, so a bad argument raises at the
+call, also with ``stream=True``.
 """
 
 from __future__ import annotations
@@ -13,14 +13,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tfnb import hooks
 from tfnb.errors import GenerateError
-from tfnb.runtime.requests import (_is_int, check_max_new_tokens, check_sampling, check_stop,
-                                   make_batch, prompt_ids)
+from tfnb.runtime.requests import GenerateRequest, make_batch
 
 __all__ = ["ChunkEvent", "GenerateSession"]
-
-_DEFAULT_CHUNK = 16  # tokens per call when streaming, with stop strings or an on_chunk hook
 
 
 @dataclass
@@ -41,35 +37,20 @@ class ChunkEvent:
 
 
 class GenerateSession:
-    """Checked arguments and the chunk loop of one generate call (internal)."""
+    """The chunk loop of one checked request on a placed model.
 
-    def __init__(self, pm, prompts, max_new_tokens, do_sample, temperature, top_k, top_p, seed,
-                 stop, stream, chunk_tokens, on_chunk, text):
-        cfg = pm.config
-        self.pm, self.text = pm, text
-        self.rows, self.single = prompt_ids(prompts, pm.tokenizer, cfg.vocab_size)
-        longest = max(len(r) for r in self.rows)
-        if longest >= cfg.max_context:
-            raise GenerateError(f"prompt of {longest} tokens does not fit the context of "
-                                f"{cfg.max_context} tokens: expected fewer than {cfg.max_context}")
-        self.max_new = check_max_new_tokens(max_new_tokens, cfg.max_context)
-        self.sampling = check_sampling(do_sample, temperature, top_k, top_p, seed)
-        self.stops = check_stop(stop)
-        if self.stops and pm.tokenizer is None:
-            raise GenerateError(f"stop={stop!r}: stop strings need a tokenizer; this model has "
-                                "none")
-        if not isinstance(stream, bool):
-            raise GenerateError(f"stream={stream!r}: expected True or False")
-        if on_chunk is None and text and not stream and hooks.display_hook is not None:
-            on_chunk = hooks.display_hook()  # a live display in notebooks
-        if chunk_tokens is None:
-            chunk_tokens = _DEFAULT_CHUNK if (stream or self.stops or on_chunk) else self.max_new
-        if not _is_int(chunk_tokens) or chunk_tokens < 1:
-            raise GenerateError(f"chunk_tokens={chunk_tokens!r}: expected an integer >= 1")
-        if on_chunk is not None and not callable(on_chunk):
-            raise GenerateError(f"on_chunk={on_chunk!r}: expected a callable or None")
-        self.chunk, self.on_chunk = int(chunk_tokens), on_chunk
-        self.batch = make_batch(self.rows, self.max_new, cfg.max_context, pm.pad_id)
+    It uses the placed model's public runtime surface only: ``program(B, S)`` for the compiled
+    functions over one set of caches, ``run(fn, args)`` to call one with its deadline,
+    ``caches_owner`` (the session whose state the caches hold) and ``last_stats``.
+    """
+
+    def __init__(self, pm, request: GenerateRequest):
+        self.pm, self.request, self.text = pm, request, request.text
+        self.rows, self.single = request.rows, request.single
+        self.max_new, self.sampling, self.stops = request.max_new_tokens, request.sampling, \
+            request.stops
+        self.chunk, self.on_chunk = request.chunk_tokens, request.on_chunk
+        self.batch = make_batch(self.rows, self.max_new, pm.config.max_context, pm.pad_id)
         n = len(self.rows)
         self.ids: list[list[int]] = [[] for _ in range(n)]
         self.cut: list[str | None] = [None] * n  # text before the stop string, once found
@@ -80,25 +61,25 @@ class GenerateSession:
     def _events(self):
         pm, b, s = self.pm, self.batch, self.sampling
         B, P = b.ids_BxP.shape
-        program = pm._program(B, b.max_len)
-        pm._owner = self
+        program = pm.program(B, b.max_len)
+        pm.caches_owner = self
         done_B = b.done_B.copy()
         sampling = (np.float32(s.temperature), np.int32(s.top_k), np.float32(s.top_p),
                     np.int32(s.seed))
         state = None
         remaining, index, start = self.max_new, 0, time.perf_counter()
         while remaining > 0 and not all(self.finished):
-            if pm._owner is not self:
+            if pm.caches_owner is not self:
                 raise GenerateError("another generate call on this model started while this "
                                     "stream was open: a stream cannot continue after it")
             n = min(self.chunk, remaining)
             if state is None:
-                fn = pm._outer(program, P, s.mode)
+                fn = program.generate_fn(P, s.mode)
                 x, slot = b.ids_BxP, np.int32(0)
             else:
-                fn = pm._outer(program, None, s.mode)
+                fn = program.generate_fn(None, s.mode)
                 x, slot = state
-            tokens_NxB, count, slot, tok_B, done_t = pm._call(
+            tokens_NxB, count, slot, tok_B, done_t = pm.run(
                 fn, (x, b.pad_B, slot, done_B, np.int32(n)) + sampling)
             tokens_NxB = tokens_NxB[:int(count)]  # numpy already: fetched within the deadline
             state, done_B = (tok_B, np.int32(slot)), done_t

@@ -1,0 +1,321 @@
+"""The compiled-segment protocol: what runs on each device, and the graphs that chain them.
+
+A *segment* is a run of consecutive stages on one device. Each segment has two XLA-compiled
+functions over its weights and KV caches (:class:`SegmentFns`): ``prefill(x, ctl, mode,
+head_in)`` and ``decode(x, ctl, mode, head_in)``. Their arguments are packed to keep the tensors
+crossing devices per step few:
+
+- ``ctl`` (int32) is ``[slot, pad_0 .. pad_{B-1}]`` (:func:`pack_ctl`); the decode step of the
+  embedding's segment gets the tokens appended, ``[slot, pad.., token..]``, instead of ``x``;
+- only the head's segment gets ``head_in`` (:class:`HeadIn`) and a sampling ``mode``, and returns
+  ``(next_token_B, done_B)``; the others return the hidden state.
+
+:func:`run_segments` is the one entry that calls every segment in order under its device; the
+generate graph (:func:`generate_function`), the logits graph (:func:`logits_function`) and the
+calibration loops (:mod:`tfnb.runtime.calibrate`) all go through it or through
+:func:`segment_functions`. A :class:`Program` holds the functions bound to one set of caches.
+
+Examples
+--------
+>>> segments({"embed": "a", "block.0": "a", "block.1": "b", "head": "b"},
+...          ["embed", "block.0", "block.1", "head"])[1].blocks
+(1,)
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import NamedTuple
+
+import tensorflow as tf
+from tensorflow.compiler.tf2xla.python import xla
+from tensorflow.python.eager import context
+
+from tfnb.models.chain import block_index
+from tfnb.runtime import llama as L
+
+__all__ = ["Segment", "segments", "HeadIn", "SegmentFns", "pack_ctl", "unpack_ctl",
+           "segment_functions", "run_segments", "generate_function", "logits_function",
+           "OnDevice", "Program", "client_cpu"]
+
+
+class _QuietRetracing(logging.Filter):
+    """Drop TF's "frequent retracing" warning for our functions: each bucket's functions (and
+    each calibration loop) are separate tf.function objects traced once, which TF's detector
+    mistakes for retracing."""
+
+    OURS = ("generate_function", "segment_functions", "logits_function", "timed_loop")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return not ("triggered tf.function retracing" in msg
+                    and any(name in msg for name in self.OURS))
+
+
+tf.get_logger().addFilter(_QuietRetracing())
+
+
+class Segment(NamedTuple):
+    """Consecutive stages on one device, as the runtime compiles them."""
+    device: str
+    stages: tuple[str, ...]
+
+    @property
+    def blocks(self) -> tuple[int, ...]:
+        """The transformer blocks among the stages, in order."""
+        return tuple(i for i in map(block_index, self.stages) if i is not None)
+
+    @property
+    def has_embed(self) -> bool:
+        return "embed" in self.stages
+
+    @property
+    def has_head(self) -> bool:
+        return "head" in self.stages
+
+
+def segments(assignment: dict[str, str], names: list[str]) -> list[Segment]:
+    """The segments of ``assignment`` (stage -> device) over the stages ``names`` in order."""
+    runs: list[list[str]] = []
+    for name in names:
+        if runs and assignment[runs[-1][-1]] == assignment[name]:
+            runs[-1].append(name)
+        else:
+            runs.append([name])
+    return [Segment(assignment[r[0]], tuple(r)) for r in runs]
+
+
+class HeadIn(NamedTuple):
+    """What the head's segment needs besides the hidden state."""
+    done_B: tf.Tensor    # bool: rows already finished (they emit padding)
+    floats_2: tf.Tensor  # [temperature, top_p]
+    ints_2: tf.Tensor    # [top_k, seed]
+
+    @classmethod
+    def greedy(cls, B: int) -> "HeadIn":
+        return cls(tf.zeros([B], tf.bool), tf.constant([1.0, 1.0]), tf.constant([0, 0]))
+
+
+class SegmentFns(NamedTuple):
+    """A segment's XLA-compiled functions (see the module docstring for their arguments)."""
+    prefill: object
+    decode: object
+
+
+def pack_ctl(slot, pad_B, tok_B=None):
+    """``[slot, pad_0 .. pad_{B-1}]`` (int32), with ``tok_B`` appended when given."""
+    parts = [tf.reshape(slot, [1]), pad_B] + ([tok_B] if tok_B is not None else [])
+    return tf.concat(parts, axis=0)
+
+
+def unpack_ctl(ctl, with_tokens: bool):
+    """``(slot, pad_B, tok_B or None)`` from :func:`pack_ctl`'s encoding (static length)."""
+    if not with_tokens:
+        return ctl[0], ctl[1:], None
+    B = (ctl.shape[0] - 1) // 2
+    return ctl[0], ctl[1:1 + B], ctl[1 + B:]
+
+
+def _embed(ids_BxT, params):
+    if "embed_VxD" in params:
+        return L.embed(ids_BxT, params["embed_VxD"])
+    return L.embed_from_columns(ids_BxT, params["embed_DxV"])
+
+
+def segment_functions(seg: Segment, params: dict, caches, cfg, eos_ids, pad_id) -> SegmentFns:
+    """The XLA-compiled (prefill, decode) functions of one segment over its caches.
+
+    ``params`` holds the segment's weights (``tfnb.runtime.weights.segment_params``), ``caches``
+    one ``(k, v)`` variable pair per block of the segment.
+    """
+    eos_E = tf.constant(list(eos_ids) or [-1], tf.int32)
+
+    def head(h_BxD, slot, mode, head_in: HeadIn):
+        done_B, floats_2, ints_2 = head_in
+        logits_BxV = L.logits(h_BxD, params["final_norm"], params["out_DxV"], cfg)
+        seed_2 = tf.stack([ints_2[1], slot])
+        tok_B = L.next_token(logits_BxV, mode, floats_2[0], ints_2[0], floats_2[1], seed_2)
+        tok_B = tf.where(done_B, tf.constant(pad_id, tf.int32), tok_B)
+        done_B = done_B | tf.reduce_any(tok_B[:, None] == eos_E[None, :], axis=-1)
+        return tok_B, done_B
+
+    def prefill(x, ctl, mode, head_in, want_logits=False):
+        _, pad_B, _ = unpack_ctl(ctl, with_tokens=False)
+        h_BxTxD = _embed(x, params) if seg.has_embed else x
+        for p, (ck, cv) in zip(params["blocks"], caches):
+            h_BxTxD, k, v = L.block_prefill(h_BxTxD, p, ck, cv, pad_B, cfg)
+            ck.assign(k)
+            cv.assign(v)
+        if not seg.has_head:
+            return h_BxTxD
+        if want_logits:
+            return L.logits(h_BxTxD, params["final_norm"], params["out_DxV"], cfg)
+        T = h_BxTxD.shape[1]
+        return head(h_BxTxD[:, -1], tf.constant(T, tf.int32), mode, HeadIn(*head_in))
+
+    def decode(x, ctl, mode, head_in):
+        slot, pad_B, tok_B = unpack_ctl(ctl, with_tokens=seg.has_embed)
+        h_Bx1xD = _embed(tok_B[:, None], params) if seg.has_embed else x
+        for p, (ck, cv) in zip(params["blocks"], caches):
+            h_Bx1xD, k, v = L.block_decode(h_Bx1xD, p, ck, cv, pad_B, slot, cfg)
+            ck.assign(k)
+            cv.assign(v)
+        if not seg.has_head:
+            return h_Bx1xD
+        return head(h_Bx1xD[:, 0], slot + 1, mode, HeadIn(*head_in))
+
+    return SegmentFns(tf.function(prefill, jit_compile=True, reduce_retracing=False),
+                      tf.function(decode, jit_compile=True, reduce_retracing=False))
+
+
+def run_segments(segs, fns, which: str, x, pad_B, slot, head_in: HeadIn, mode: str,
+                 want_logits: bool = False):
+    """Every segment in order, each under its device: ``which`` is "prefill" or "decode".
+
+    ``x`` is the prompt ids (B, P) for prefill and the last tokens (B,) for decode; returns the
+    head's ``(next_token_B, done_B)`` (or the logits with ``want_logits``).
+    """
+    for seg, seg_fns in zip(segs, fns):
+        # only the head depends on the sampling mode: the others compile once for all
+        seg_head_in, seg_mode = (tuple(head_in), mode) if seg.has_head else (None, None)
+        if which == "decode" and seg.has_embed:
+            seg_x, ctl = None, pack_ctl(slot, pad_B, x)
+        else:
+            seg_x, ctl = x, pack_ctl(slot, pad_B)
+        with tf.device(seg.device):
+            if which == "prefill":
+                x = seg_fns.prefill(seg_x, ctl, seg_mode, seg_head_in,
+                                    **({"want_logits": True} if want_logits else {}))
+            else:
+                x = seg_fns.decode(seg_x, ctl, seg_mode, seg_head_in)
+    return x
+
+
+def generate_function(segs, fns, P: int | None, mode: str, S: int, fused: bool) -> "OnDevice":
+    """One multi-device graph: (prefill if ``P``), then up to ``n_steps`` decode steps.
+
+    Called as ``f(x, pad_B, slot, done_B, n_steps, temperature, top_k, top_p, seed)``; returns
+    ``(tokens_NxB, steps, slot, last_tok_B, done_B)``. With a single segment and ``fused`` the
+    whole function, loop included, is one XLA computation (as HF's XLA generate); otherwise a
+    ``tf.while_loop`` calls each segment's XLA function on its device.
+    """
+    fused = fused and len(segs) == 1
+    # The loop and its state live on the head's device (the last segment): per step, only
+    # the packed tokens go to the first segment and activations along the chain; the client
+    # is not involved until the chunk ends.
+    loop_device = segs[-1].device
+
+    def run(x, pad_B, slot, done_B, n_steps, temperature, top_k, top_p, seed):
+      with tf.device(loop_device):
+        floats_2, ints_2 = tf.stack([temperature, top_p]), tf.stack([top_k, seed])
+        pad_B, n_steps, done_B, slot = (tf.identity(t) for t in (pad_B, n_steps, done_B, slot))
+        B = pad_B.shape[0]
+        # new tokens, one row per step: a fixed buffer inside XLA, else a TensorArray
+        tokens = (tf.zeros([S, B], tf.int32) if fused else
+                  tf.TensorArray(tf.int32, size=n_steps, element_shape=pad_B.shape))
+
+        def write(tokens, i, tok_B):
+            if fused:
+                return xla.dynamic_update_slice(tokens, tok_B[None], tf.stack([i, 0]))
+            return tokens.write(i, tok_B)
+
+        i = tf.constant(0)
+        if P is not None:  # x: prompt ids (B, P); the first token comes from prefill
+            tok_B, done_B = run_segments(segs, fns, "prefill", x, pad_B, slot,
+                                         HeadIn(done_B, floats_2, ints_2), mode)
+            tokens = write(tokens, i, tok_B)
+            i, slot = i + 1, tf.constant(P, tf.int32)
+        else:              # x: the last token (B,), to be written at ``slot``
+            tok_B = tf.identity(x)
+
+        def cond(i, slot, tok_B, done_B, tokens):
+            with tf.device(loop_device):
+                return (i < n_steps) & tf.logical_not(tf.reduce_all(done_B))
+
+        def body(i, slot, tok_B, done_B, tokens):
+            with tf.device(loop_device):
+                tok_B, done_B = run_segments(segs, fns, "decode", tok_B, pad_B, slot,
+                                             HeadIn(done_B, floats_2, ints_2), mode)
+                return i + 1, slot + 1, tok_B, done_B, write(tokens, i, tok_B)
+
+        i, slot, tok_B, done_B, tokens = tf.while_loop(
+            cond, body, (i, slot, tok_B, done_B, tokens),
+            maximum_iterations=S if fused else None)
+        return (tokens if fused else tokens.stack()), i, slot, tok_B, done_B
+
+    if fused:
+        compiled = tf.function(run, jit_compile=True)
+
+        @tf.function
+        def graph(*args):  # TF cannot run a compiled function eagerly on a remote device
+            with tf.device(loop_device):
+                return compiled(*args)
+    else:
+        graph = tf.function(run)
+    return OnDevice(graph, loop_device)
+
+
+def logits_function(segs, fns) -> "OnDevice":
+    """``f(ids_BxP, pad_B)``: the logits (B, P, V) of every position, by prefill."""
+    @tf.function
+    def run(ids_BxP, pad_B):
+        return run_segments(segs, fns, "prefill", ids_BxP, pad_B, tf.constant(0),
+                            HeadIn.greedy(pad_B.shape[0]), "greedy", want_logits=True)
+    return OnDevice(run, segs[-1].device)
+
+
+def client_cpu() -> str:
+    """This process's own CPU device (``/job:<client job>/replica:0/task:0/device:CPU:0``)."""
+    return context.context().host_address_space() + "/device:CPU:0"
+
+
+class OnDevice:
+    """Calls a graph function with ``device`` as its default device, so the function (and its
+    loop) runs on that worker: called from the client's default device instead, each loop
+    iteration costs a client round trip (about 2 ms between local processes).
+
+    The arguments become tensors on the client's own CPU first. Converting a Python or numpy
+    value under a remote device scope blocks in C++ while holding the GIL until the worker
+    answers (probed on TF 2.21: with the worker SIGSTOPped the whole process froze, while the
+    same call with client-side tensors waited with the GIL free, so deadlines can fire).
+    """
+
+    def __init__(self, fn, device: str):
+        self.fn, self.device = fn, device
+
+    def __call__(self, *args):
+        with tf.device(client_cpu()):
+            args = [a if isinstance(a, tf.Tensor) or a is None else tf.constant(a) for a in args]
+        with tf.device(self.device):
+            return self.fn(*args)
+
+    def experimental_get_tracing_count(self) -> int:
+        return self.fn.experimental_get_tracing_count()
+
+
+class Program:
+    """The compiled functions bound to one set of KV caches of shape (B, K, S, E).
+
+    ``caches`` has, per segment, one ``(k, v)`` variable pair per block; the generate and
+    logits graphs are built on first use per prompt bucket and sampling mode.
+    """
+
+    def __init__(self, segs, fns, caches, max_len: int, fused: bool):
+        self.segments, self.fns, self.caches = list(segs), list(fns), caches
+        self.max_len, self.fused = max_len, fused
+        self.graphs: dict = {}  # (prompt length P or None, mode) -> OnDevice
+
+    def generate_fn(self, P: int | None, mode: str) -> OnDevice:
+        """The generate graph: prefill of ``P`` tokens (None: continue from the caches), then
+        decode steps in ``mode`` (``"greedy"``, ``"sample"`` or ``"filter"``)."""
+        key = (P, mode)
+        if key not in self.graphs:
+            self.graphs[key] = generate_function(self.segments, self.fns, P, mode, self.max_len,
+                                                 self.fused)
+        return self.graphs[key]
+
+    def logits_fn(self, P: int) -> OnDevice:
+        key = (P, "logits")
+        if key not in self.graphs:
+            self.graphs[key] = logits_function(self.segments, self.fns)
+        return self.graphs[key]

@@ -1,0 +1,105 @@
+"""A llama model's weights and KV caches as ``tf.Variable``s on the devices of their segments.
+
+Every value is made a tensor on the client's own CPU before it goes to a device: the copy to a
+remote device then runs as an op, which waits for the worker without holding the GIL (a numpy
+value converted under a remote device scope holds it; see ``graphs.OnDevice``).
+
+Examples
+--------
+>>> from tfnb.models.llama import tiny_config, random_weights
+>>> from tfnb.runtime.graphs import Segment
+>>> cfg = tiny_config()
+>>> seg = Segment("/device:CPU:0", ("embed", "block.0", "block.1", "head"))
+>>> p = segment_params(cfg, random_weights(cfg, 0), seg, head_device="/device:CPU:0")
+>>> sorted(k for k in p if k != "blocks"), len(p["blocks"])
+(['embed_DxV', 'final_norm', 'out_DxV'], 2)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from tfnb.errors import PlacementError
+from tfnb.models.chain import block_stage
+from tfnb.models.llama import weight_shapes
+from tfnb.runtime import llama as L
+from tfnb.runtime.graphs import Segment, client_cpu
+
+__all__ = ["variable_on", "segment_params", "kv_caches", "check_weights", "param_variables"]
+
+
+def variable_on(device: str, value, name: str) -> tf.Variable:
+    """A non-trainable float32 variable on ``device`` holding ``value`` (numpy or a tensor)."""
+    with tf.device(client_cpu()):
+        value = tf.constant(np.asarray(value, np.float32)) if not isinstance(value, tf.Tensor) \
+            else value
+    with tf.device(device):
+        return tf.Variable(value, trainable=False, name=name.replace(".", "_"))
+
+
+def segment_params(config, weights, seg: Segment, *, head_device: str, shared: dict | None = None,
+                   reuse: dict | None = None) -> dict:
+    """The weight variables of one segment: ``embed_VxD`` or ``embed_DxV``, ``blocks`` (a list
+    of ``BlockParams``), ``final_norm`` and ``out_DxV`` as its stages need them.
+
+    The head multiplies by a (D, V) matrix: faster than by the transposed (V, D) table. A tied
+    model keeps one (D, V) embedding per device (in ``shared``, device -> variable) on the
+    head's device, which the embed stage there reads by columns. ``reuse`` maps
+    ``(block index, device)`` to ``BlockParams`` already on that device.
+    """
+    shared = {} if shared is None else shared
+    reuse = reuse or {}
+    tied = config.tie_embeddings
+    params: dict = {}
+    if (seg.has_embed and tied and seg.device == head_device) or (seg.has_head and tied):
+        if seg.device not in shared:
+            shared[seg.device] = variable_on(seg.device, weights["embed"].T, "embed_T")
+        if seg.has_embed:
+            params["embed_DxV"] = shared[seg.device]
+        if seg.has_head:
+            params["out_DxV"] = shared[seg.device]
+    elif seg.has_embed:
+        params["embed_VxD"] = variable_on(seg.device, weights["embed"], "embed")
+    params["blocks"] = [
+        reuse.get((i, seg.device)) or L.BlockParams(
+            **{k: variable_on(seg.device, v, f"{block_stage(i)}.{k}")
+               for k, v in L.fuse_block(weights, i).items()})
+        for i in seg.blocks]
+    if seg.has_head:
+        params["final_norm"] = variable_on(seg.device, weights["final_norm"], "final_norm")
+        if not tied:
+            params["out_DxV"] = variable_on(seg.device, weights["lm_head"], "lm_head")
+    return params
+
+
+def kv_caches(seg: Segment, shape) -> list[tuple[tf.Variable, tf.Variable]]:
+    """One zeroed ``(k, v)`` cache pair of ``shape`` (B, K, S, E) per block of ``seg``."""
+    with tf.device(client_cpu()):
+        shape_t, zero = tf.constant(shape, tf.int32), tf.constant(0.0)
+    with tf.device(seg.device):
+        return [(tf.Variable(tf.fill(shape_t, zero), trainable=False, name=f"k_cache_{i}"),
+                 tf.Variable(tf.fill(shape_t, zero), trainable=False, name=f"v_cache_{i}"))
+                for i in seg.blocks]
+
+
+def check_weights(config, weights) -> None:
+    """PlacementError naming the first weight that is missing or misshapen."""
+    for name, shape in weight_shapes(config).items():
+        if name not in weights:
+            raise PlacementError(f"weights lack {name!r}: expected every name of "
+                                 "weight_shapes(config)")
+        if tuple(np.shape(weights[name])) != shape:
+            raise PlacementError(f"weight {name!r} has shape {np.shape(weights[name])}: "
+                                 f"expected {shape}")
+
+
+def param_variables(params: list[dict]) -> list[tf.Variable]:
+    """Every weight variable of the segments' ``params``, once each, in stage order."""
+    out: dict[int, tf.Variable] = {}
+    for p in params:
+        for v in [p[k] for k in ("embed_VxD", "embed_DxV") if k in p] \
+                + [v for b in p["blocks"] for v in b] \
+                + [p[k] for k in ("final_norm", "out_DxV") if k in p]:
+            out.setdefault(id(v), v)
+    return list(out.values())
