@@ -39,3 +39,7 @@ class GenerateError(TfnbError, ValueError):
 
 class ProfileError(TfnbError):
     """A profile cannot be captured or read: not connected, still capturing, bad arguments."""
+
+
+class StatusFileError(ClusterError, ValueError):
+    """A worker's status file that cannot be trusted or read: malformed, or not private."""

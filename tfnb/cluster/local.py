@@ -1,13 +1,16 @@
 """N TensorFlow worker processes on this machine, on 127.0.0.1 with free ports.
 
 Workers are stopped on :meth:`LocalCluster.close`, at interpreter exit (kernel shutdown), and when
-the parent dies in any way: each worker watches a pipe from the parent (see ``worker.py``).
+the parent dies in any way: each worker watches a pipe from the parent and its parent's pid (see
+``worker.py``). :meth:`LocalCluster.close` leaves nothing behind: no process, no pipe, no status
+file, no log folder, no nftables table.
 """
 from __future__ import annotations
 
 import atexit
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -19,7 +22,7 @@ from pathlib import Path
 
 from tfnb.cluster.probe import probe_all
 from tfnb.cluster.spec import ClusterSpec, split_address
-from tfnb.cluster.worker import READY
+from tfnb.cluster.worker import READY, status_path
 from tfnb.errors import ClusterError, SpecError
 
 _live: "weakref.WeakSet[LocalCluster]" = weakref.WeakSet()
@@ -112,7 +115,7 @@ class LocalCluster:
         job, _, _ = self.spec.tasks()[task]
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"))
         cmd = [sys.executable, "-m", "tfnb.cluster.worker", "--cluster", self.spec.to_json(),
-               "--job", job, "--task", str(task), "--watch-stdin"]
+               "--job", job, "--task", str(task), "--watch-stdin", "--parent-pid", str(os.getpid())]
         if self.cpus[task] is not None:
             cmd += ["--cpus", self.cpus[task]]
         with open(self.log_dir / f"worker-{task}.log", "ab") as log:
@@ -145,19 +148,29 @@ class LocalCluster:
 
     @staticmethod
     def _read_ready(i: int, proc: subprocess.Popen, ready: dict) -> None:
-        for raw in proc.stdout:
-            line = raw.decode(errors="replace").strip()
-            if line.startswith(READY):
-                ready[i] = json.loads(line[len(READY):])
-                break
+        try:
+            for raw in proc.stdout:
+                line = raw.decode(errors="replace").strip()
+                if line.startswith(READY):
+                    ready[i] = json.loads(line[len(READY):])
+                    break
+        except (OSError, ValueError):  # the pipe was closed: the worker was stopped
+            return
         # keep draining so a chatty worker never blocks on a full pipe
-        threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+        threading.Thread(target=_drain, args=(proc.stdout,), daemon=True).start()
 
     def _fail(self, missing: list[int]) -> None:
+        tails = {}
+        for i in missing:  # read before close() removes the logs
+            try:
+                log = (self.log_dir / f"worker-{i}.log").read_text(errors="replace")
+            except OSError:
+                log = ""
+            tails[i] = log.strip().splitlines()[-3:]
         self.close()
         details = []
         for i in missing:
-            tail = (self.log_dir / f"worker-{i}.log").read_text(errors="replace").strip().splitlines()[-3:]
+            tail = tails[i]
             code = self.procs[i].poll()
             why = f"exited with code {code}" if code is not None else f"no answer within {self.timeout:g} s"
             details.append(f"worker {i} ({self.spec.addresses[i]}) {why}" + (f": {' | '.join(tail)}" if tail else ""))
@@ -189,16 +202,19 @@ class LocalCluster:
         os.kill(self.procs[task].pid, sig)
 
     def restart(self, task: int) -> None:
-        """Start worker ``task`` again on its old address (after it died or was killed)."""
+        """Start worker ``task`` again on its old address (after it died or was killed); the old
+        process's pipes are closed."""
         proc = self.procs[task]
         if proc.poll() is None:
             proc.kill()
         proc.wait(10)
+        _close_pipes(proc)
         self.procs[task] = self._spawn(task)
         self.info[task] = self._await_ready([task])[task]
 
     def close(self) -> None:
-        """Stop every worker (SIGTERM, then SIGKILL after 5 s) and remove the guard."""
+        """Stop every worker (SIGTERM, then SIGKILL after 5 s), close their pipes, remove their
+        status files, the log folder and the guard. Safe to call more than once."""
         for p in self.procs:
             if p.poll() is None:
                 p.terminate()
@@ -209,15 +225,17 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(5)
-            for stream in (p.stdin, p.stdout):
-                if stream:
-                    try:
-                        stream.close()
-                    except OSError:
-                        pass
+            _close_pipes(p)
+        for (job, task, address) in self.spec.tasks():  # a killed worker could not remove its own
+            try:
+                os.unlink(status_path(job, task, split_address(address)[1]))
+            except OSError:
+                pass
+        shutil.rmtree(self.log_dir, ignore_errors=True)
         if self.guard is not None:
             self.guard.close()
             self.guard = None
+        _live.discard(self)
 
     def __enter__(self) -> "LocalCluster":
         return self
@@ -228,6 +246,23 @@ class LocalCluster:
     def __repr__(self) -> str:
         up = sum(self.alive())
         return f"LocalCluster({len(self.procs)} workers, {up} running, {self.spec.addresses})"
+
+
+def _drain(stream) -> None:
+    try:
+        for _ in stream:
+            pass
+    except (OSError, ValueError):  # closed by close() or restart()
+        pass
+
+
+def _close_pipes(proc: subprocess.Popen) -> None:
+    for stream in (proc.stdin, proc.stdout):
+        if stream:
+            try:
+                stream.close()
+            except OSError:  # a broken pipe to a dead worker
+                pass
 
 
 @atexit.register

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from tfnb.cluster.probe import ProbeResult, probe_all
 from tfnb.cluster.spec import ClusterSpec, split_address
 from tfnb.cluster.worker import status_path
+from tfnb.errors import StatusFileError
 
 
 @dataclass(frozen=True)
@@ -104,16 +105,73 @@ def _mem(total: int | None, free: int | None) -> str:
 
 
 def _read_remote(device: str, paths: list[str]):
-    """Read the first of ``paths`` that exists, on the worker that owns ``device``."""
+    """Read the first of ``paths`` that exists, on the worker that owns ``device``.
+
+    A path may be a callable that receives the text read so far (``{path: text}``) and returns
+    a path or None: how the status file of a worker run by another user is found.
+    """
     import tensorflow as tf
 
+    seen: dict[str, str] = {}
     for path in paths:
+        if callable(path):
+            path = path(seen)
+            if not path:
+                continue
+        name = tf.constant(path)  # made on this client: nothing converted under a remote scope
         try:
             with tf.device(device):
-                return path, tf.io.read_file(path).numpy().decode()
+                text = tf.io.read_file(name)
+            seen[path] = text.numpy().decode()
         except tf.errors.NotFoundError:
             continue
+        if not path.startswith("/proc/self/"):
+            return path, seen[path]
     return None, ""
+
+
+def _path_of_worker_uid(job: str, task: int, port: int):
+    """A path step for :func:`_read_remote`: the status file under the worker's own uid."""
+    def pick(seen: dict[str, str]):
+        for line in seen.get("/proc/self/status", "").splitlines():
+            if line.startswith("Uid:") and line.split()[1:2]:
+                return status_path(job, task, port, uid=int(line.split()[1]))
+        return None
+
+    return pick
+
+
+_FIELDS = {"host_ram_total": int, "host_ram_available": int, "cpus": int, "gpus": list}
+
+
+def parse_status_file(path: str, text: str, task: str) -> dict:
+    """The figures of one worker's status file; :class:`StatusFileError` naming the file (and
+    what is wrong in it) when it is not what a tfnb worker writes.
+
+    Examples
+    --------
+    >>> parse_status_file("/tmp/tfnb-0/w.json", '{"cpus": 2}', "/job:worker/replica:0/task:0")
+    {'cpus': 2}
+    """
+    where = f"status file {path} of {task}"
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise StatusFileError(f"{where} is not JSON ({e}): {text[:60]!r}; a tfnb worker rewrites it "
+                              "every 2 s, so remove it or restart the worker") from None
+    if not isinstance(data, dict):
+        raise StatusFileError(f"{where} holds {type(data).__name__} {text[:60]!r}; expected a JSON "
+                              "object of memory figures")
+    for key, kind in _FIELDS.items():
+        value = data.get(key)
+        if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+            raise StatusFileError(f"{where}: {key}={value!r}; expected {kind.__name__}")
+    for g in data.get("gpus") or []:
+        if not (isinstance(g, dict) and isinstance(g.get("device"), str)
+                and isinstance(g.get("in_use"), int) and not isinstance(g.get("in_use"), bool)):
+            raise StatusFileError(f"{where}: gpus entry {g!r}; expected "
+                                  "{'device': str, 'in_use': bytes, ...}")
+    return data
 
 
 def _memory_all(targets: list[tuple[str, str]], wait: float) -> dict[str, dict]:
@@ -122,12 +180,14 @@ def _memory_all(targets: list[tuple[str, str]], wait: float) -> dict[str, dict]:
     threads = []
     for task, address in targets:
         job, task_index = task.split("/")[1][4:], int(task.rsplit(":", 1)[1])
-        path = status_path(job, task_index, split_address(address)[1])
-        box = boxes.setdefault(task, {"path": path})
+        port = split_address(address)[1]
+        paths = [status_path(job, task_index, port), "/proc/self/status",
+                 _path_of_worker_uid(job, task_index, port), "/proc/meminfo"]
+        box = boxes.setdefault(task, {})
 
-        def run(box=box, task=task, path=path):
+        def run(box=box, task=task, paths=paths):
             try:
-                box["result"] = _read_remote(f"{task}/device:CPU:0", [path, "/proc/meminfo"])
+                box["result"] = _read_remote(f"{task}/device:CPU:0", paths)
             except Exception:  # the worker went away meanwhile: its figures stay unknown
                 pass
 
@@ -139,11 +199,11 @@ def _memory_all(targets: list[tuple[str, str]], wait: float) -> dict[str, dict]:
     out = {}
     for task, box in boxes.items():
         which, text = box.get("result", (None, ""))
-        if which == box["path"]:
-            out[task] = json.loads(text)
-        elif which:  # /proc/meminfo, in kB
+        if which == "/proc/meminfo":  # in kB
             kb = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in text.splitlines() if ln.split()[1:]}
             out[task] = {"host_ram_total": kb.get("MemTotal"), "host_ram_available": kb.get("MemAvailable")}
+        elif which:
+            out[task] = parse_status_file(which, text, task)
     return out
 
 

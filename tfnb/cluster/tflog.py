@@ -30,7 +30,8 @@ import sys
 _LOG = re.compile(r"^[IWEF]\d{4} [\d:.]+ +\d+ (?P<file>[\w.-]+):\d+\] ")
 _NOISY_FILES = ("cudart_stub.cc", "cuda_platform.cc", "cuda_executor.cc", "cuda_diagnostics.cc",
                 "cuda_dnn.cc", "cuda_fft.cc", "cuda_blas.cc", "cpu_feature_guard.cc", "port.cc")
-_NOISY_TEXT = ("Failed to remove function remotely", "Unable to destroy remote tensor handles",
+_NOISY_TEXT = ("Failed to remove function remotely", "Unable to close remote context",
+               "Unable to destroy remote tensor handles",
                "Unable to destroy server_ object", "Failed to delete remote")
 _STANDALONE = (
     "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",

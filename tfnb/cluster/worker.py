@@ -8,7 +8,13 @@ machines where the worker port is not reachable).
 
 With ``--watch-stdin`` the worker exits as soon as its standard input closes: LocalCluster gives
 each worker a pipe, and the kernel closes it when the parent dies in any way (even SIGKILL), so no
-worker outlives the notebook that started it.
+worker outlives the notebook that started it. A child the parent forked can keep that pipe open
+after the parent died, so ``--parent-pid`` also makes the worker exit within a second once it is
+no longer that process's child.
+
+Live memory figures go to ``/tmp/tfnb-<uid>/``, a folder only this user may enter (mode 0700,
+checked on every start: a folder someone else made, or a symlink, is refused and nothing is
+published). The file is removed when the worker stops; LocalCluster removes it after SIGKILL.
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ import json
 import os
 import re
 import signal
+import stat
 import sys
 import threading
 import time
@@ -23,9 +30,38 @@ import time
 READY = "TFNB_READY"
 
 
-def status_path(job: str, task: int, port: int) -> str:
-    """Where a worker publishes its live memory figures (read by ``Cluster.status``)."""
-    return f"/tmp/tfnb-worker-{job}-{task}-{port}.json"
+def status_dir(uid: int | None = None) -> str:
+    """The private folder of ``uid``'s (default: this user's) worker status files."""
+    return f"/tmp/tfnb-{os.getuid() if uid is None else int(uid)}"
+
+
+def status_path(job: str, task: int, port: int, uid: int | None = None) -> str:
+    """Where a worker run by ``uid`` publishes its live memory figures (read by ``Cluster.status``).
+
+    Examples
+    --------
+    >>> status_path("worker", 0, 2222, uid=1000)
+    '/tmp/tfnb-1000/worker-worker-0-2222.json'
+    """
+    return f"{status_dir(uid)}/worker-{job}-{task}-{port}.json"
+
+
+def private_status_dir() -> str:
+    """Make (or check) :func:`status_dir`: a real folder, owned by this user, mode 0700.
+
+    Raises PermissionError naming the folder when it is anything else.
+    """
+    path = status_dir()
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionError(f"{path} is not a private folder of this user (expected a directory "
+                              f"owned by uid {os.getuid()} with mode 0700; found mode "
+                              f"{stat.filemode(st.st_mode)}, owner uid {st.st_uid}); remove it")
+    return path
 
 
 def _memory_snapshot(tf) -> dict:
@@ -45,19 +81,26 @@ def _memory_snapshot(tf) -> dict:
 
 
 def _publish_status(tf, path: str, stop: threading.Event) -> None:
-    while not stop.is_set():
-        try:
-            tmp = f"{path}.{os.getpid()}"
-            with open(tmp, "w") as f:
-                json.dump(_memory_snapshot(tf), f)
-            os.replace(tmp, path)
-        except OSError:
-            pass
-        stop.wait(2.0)
     try:
-        os.unlink(path)
-    except OSError:
-        pass
+        private_status_dir()
+    except OSError as e:
+        print(f"tfnb worker: not publishing memory figures: {e}", file=sys.stderr, flush=True)
+        return
+    while not stop.is_set():
+        with _status_lock:  # serve() removes the file under this lock: no write after that
+            if stop.is_set():
+                break
+            try:
+                tmp = f"{path}.{os.getpid()}"
+                with open(tmp, "w") as f:
+                    json.dump(_memory_snapshot(tf), f)
+                os.replace(tmp, path)
+            except OSError:
+                pass
+        stop.wait(2.0)
+
+
+_status_lock = threading.Lock()
 
 
 def parse_cpus(text: str) -> set[int]:
@@ -104,8 +147,9 @@ def _watch_stdin(stop: threading.Event) -> None:
 
 
 def serve(cluster: str, job: str, task: int, *, profiler_port: int | None = None,
-          watch_stdin: bool = False, cpus: str | None = None) -> int:
-    """Run one TF server until a signal (or, with ``watch_stdin``, until stdin closes).
+          watch_stdin: bool = False, cpus: str | None = None, parent_pid: int | None = None) -> int:
+    """Run one TF server until a signal (or, with ``watch_stdin``, until stdin closes; with
+    ``parent_pid``, until this process is no longer that process's child).
 
     ``cpus`` (e.g. ``"1"`` or ``"0-3"``) pins the worker to those CPUs before TensorFlow starts,
     so TF sizes its thread pools to them: several workers then share one machine without
@@ -163,11 +207,21 @@ def serve(cluster: str, job: str, task: int, *, profiler_port: int | None = None
             "listening": listening_scope(port), "profiler_port": profiler_port or port,
             "cpus": _ranges(os.sched_getaffinity(0))}
     print(f"{READY} {json.dumps(info)}", flush=True)
-    threading.Thread(target=_publish_status, args=(tf, status_path(job, task, port), stop), daemon=True).start()
+    status_file = status_path(job, task, port)
+    threading.Thread(target=_publish_status, args=(tf, status_file, stop), daemon=True).start()
     if watch_stdin:
         threading.Thread(target=_watch_stdin, args=(stop,), daemon=True).start()
     while not stop.wait(0.5):
+        if parent_pid is not None and os.getppid() != parent_pid:
+            break  # the parent died: this process was handed to init (or a subreaper)
+    stop.set()
+    locked = _status_lock.acquire(timeout=2.0)  # bounded: exit even if a write is stuck
+    try:
+        os.unlink(status_file)
+    except OSError:
         pass
+    if locked:
+        _status_lock.release()
     # TF servers cannot be stopped cleanly from Python (Server.stop is unimplemented for gRPC):
     # leave at once, without running TF's static destructors that may block.
     sys.stdout.flush()
@@ -185,9 +239,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profiler-port", type=int, default=None)
     p.add_argument("--watch-stdin", action="store_true")
     p.add_argument("--cpus", default=None)
+    p.add_argument("--parent-pid", type=int, default=None)
     a = p.parse_args(argv)
     return serve(a.cluster, a.job, a.task, profiler_port=a.profiler_port, watch_stdin=a.watch_stdin,
-                 cpus=a.cpus)
+                 cpus=a.cpus, parent_pid=a.parent_pid)
 
 
 if __name__ == "__main__":
