@@ -15,12 +15,14 @@ import ipaddress
 import os
 import socket
 import threading
+import warnings
 import weakref
 from types import MappingProxyType
 
 from tfnb.cluster.local import LocalCluster, free_ports
 from tfnb.cluster.probe import probe_all
-from tfnb.cluster.security import listening_scope, warn_if_exposed
+from tfnb.cluster.security import (ExposedServerWarning, client_guard, client_guarded,
+                                   is_exposed, listening_scope, warn_if_exposed)
 from tfnb.cluster.spec import ClusterSpec, parse_address, parse_spec, split_address
 from tfnb.cluster.status import ClusterStatus, gather
 from tfnb.errors import ClusterError, NotConnectedError, SpecError, UnreachableError
@@ -122,8 +124,8 @@ class Cluster:
         """``{server: listening scope}`` for the workers tfnb started here and the client's server."""
         out = dict(self.local.scopes()) if self.local else {}
         port = split_address(self.client_address)[1]
-        guarded = self.local is not None and self.local.guard is not None
-        out[f"client ({self.client_address})"] = "loopback (guarded)" if guarded else listening_scope(port)
+        out[f"client ({self.client_address})"] = ("loopback (guarded)" if client_guarded(port)
+                                                  else listening_scope(port))
         return out
 
     # --- health ---------------------------------------------------------------------------
@@ -201,6 +203,12 @@ class Cluster:
 
         Functions and tensors nobody holds any more are released while the workers still
         answer, so TensorFlow does not log a failed remote clean-up for each of them later.
+
+        This process's own TF server, which ``connect`` started, keeps listening: TensorFlow
+        cannot stop it, and it ends with the process. If it was guarded (an ``isolate=True``
+        cluster), it stays guarded until then. If it is reachable from other hosts and no other
+        cluster is connected, an :class:`~tfnb.cluster.security.ExposedServerWarning` says so:
+        restart the kernel to close it.
         """
         self.disconnect()
         if self.local is not None:
@@ -208,6 +216,13 @@ class Cluster:
 
             gc.collect()
             self.local.close()
+        port = split_address(self.client_address)[1]
+        scope = "loopback (guarded)" if client_guarded(port) else listening_scope(port)
+        if _current is None and is_exposed(scope):
+            warnings.warn(f"this process's own TF server ({self.client_address}) still listens on "
+                          f"{scope} after stop(): TensorFlow cannot stop it; it runs any code it "
+                          "is sent until this process ends (restart the kernel to close it)",
+                          ExposedServerWarning, stacklevel=2)
 
     close = stop
 
@@ -298,7 +313,8 @@ def connect(spec: object = None, *, timeout: float = 5.0, tf_config: bool = Fals
             client_address = f"{host}:{free_ports(1)[0]}"
         local = spec if isinstance(spec, LocalCluster) else None
         if local is not None and local.guard is not None:
-            local.guard.add_ports([split_address(client_address)[1]])
+            # the client's server outlives every cluster: its guard is the process's, not local's
+            client_guard().add_ports([split_address(client_address)[1]])
         _tell_tensorflow(parsed, client_address)
         _told = (parsed, client_address)
         cluster = Cluster(parsed, timeout=t, client_address=client_address, probes=results, local=local)
@@ -308,15 +324,28 @@ def connect(spec: object = None, *, timeout: float = 5.0, tf_config: bool = Fals
 
 
 def local(n_workers: int = 2, *, timeout: float = 5.0, start_timeout: float = 60.0,
-          isolate: bool = False, cpus=None) -> Cluster:
+          isolate: bool = False, cpus=None, replace: bool = True) -> Cluster:
     """Start ``n_workers`` TF workers on this machine and connect to them (``cpus``: see
     :class:`~tfnb.cluster.local.LocalCluster`).
+
+    If the cluster this process is connected to is a local one whose workers still run (a
+    second ``%tfcluster local``), it is stopped first with a warning that says so; with
+    ``replace=False`` a :class:`~tfnb.errors.ClusterError` says it is still running instead.
+    Its placed models were lost either way: connecting another cluster ends them.
 
     Examples
     --------
     >>> cluster = tfnb.local(2)                    # doctest: +SKIP
     >>> cluster.stop()                             # doctest: +SKIP
     """
+    prev = _current
+    if prev is not None and prev.local is not None and any(prev.local.alive()):
+        what = f"the local cluster of {len(prev.workers)} workers at {', '.join(prev.spec.addresses)}"
+        if not replace:
+            raise ClusterError(f"{what} is still running; stop it first (cluster.stop() or "
+                               "%tfcluster stop), or pass replace=True to stop it here")
+        warnings.warn(f"stopping {what} before starting a new one", UserWarning, stacklevel=2)
+        prev.stop()
     lc = LocalCluster(n_workers, timeout=start_timeout, isolate=isolate, cpus=cpus)
     try:
         return connect(lc, timeout=timeout)

@@ -10,8 +10,11 @@ table that drops every packet to those ports that does not arrive on the loopbac
 """
 from __future__ import annotations
 
+import atexit
 import ipaddress
+import itertools
 import os
+import threading
 import shutil
 import subprocess
 import warnings
@@ -94,11 +97,15 @@ def _nft(script: str) -> None:
         raise ClusterError(f"nft refused the loopback guard: {res.stderr.strip()}")
 
 
+_seq = itertools.count(1)
+
+
 class LoopbackGuard:
     """An nftables table that lets only loopback traffic reach the given TCP ports.
 
-    Needs Linux, root and the ``nft`` command (Debian: ``apt-get install nftables``). The table is
-    named after this process; :meth:`close` removes it, and tables left by dead processes are
+    Needs Linux, root and the ``nft`` command (Debian: ``apt-get install nftables``). Each guard
+    has its own table, ``tfnb_<pid>_<n>``: closing one (one cluster) leaves every other guard of
+    this process in place. :meth:`close` removes the table, and tables left by dead processes are
     removed when the next guard starts.
 
     Examples
@@ -107,13 +114,13 @@ class LoopbackGuard:
     >>> guard.add_ports([2224]); guard.close()     # doctest: +SKIP
     """
 
-    def __init__(self, ports: list[int]):
+    def __init__(self, ports: list[int], *, name: str | None = None):
         if not shutil.which("nft"):
             raise ClusterError("isolate=True needs the nft command (Debian: apt-get install nftables)")
         if os.geteuid() != 0:
             raise ClusterError("isolate=True needs root to install an nftables rule; run as root or "
                                "keep the machine on an isolated network")
-        self.table = f"tfnb_{os.getpid()}"
+        self.table = f"tfnb_{os.getpid()}_{name or next(_seq)}"
         self.ports: list[int] = []
         _remove_stale_tables()
         _nft(f"add table inet {self.table}\n"
@@ -137,10 +144,35 @@ class LoopbackGuard:
         return f"LoopbackGuard(table={self.table!r}, ports={self.ports})"
 
 
+_client_lock = threading.Lock()
+_client: LoopbackGuard | None = None
+
+
+def client_guard() -> LoopbackGuard:
+    """The guard of this process's own TF server (the one ``connect`` starts): one per process.
+
+    TensorFlow cannot stop that server, so it keeps listening after every cluster is stopped;
+    its port stays guarded until the process ends (the table is removed at exit, or by the next
+    guard after a crash).
+    """
+    global _client
+    with _client_lock:
+        if _client is None or _client.ports is None:
+            _client = LoopbackGuard([], name="client")
+            atexit.register(_client.close)
+        return _client
+
+
+def client_guarded(port: int) -> bool:
+    """Whether ``port`` (this process's TF server) is behind :func:`client_guard`."""
+    guard = _client
+    return guard is not None and guard.ports is not None and port in guard.ports
+
+
 def _remove_stale_tables() -> None:
     res = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True, timeout=10)
     for line in res.stdout.splitlines():
         name = line.split()[-1] if line.startswith("table inet tfnb_") else ""
-        pid = name.removeprefix("tfnb_")
+        pid = name.removeprefix("tfnb_").split("_")[0]
         if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
             subprocess.run(["nft", "delete", "table", "inet", name], capture_output=True, timeout=10)
