@@ -108,31 +108,55 @@ def _config(meta: dict, path: str) -> LlamaConfig:
                              "expected a complete llama GGUF")
         return value
 
-    n_heads = int(get("attention.head_count"))
-    hidden = int(get("embedding_length"))
+    def count(key, default=None) -> int:
+        value = get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ModelError(f"GGUF metadata '{arch}.{key}'={value!r} in {path!r}: "
+                             "expected a positive integer")
+        return int(value)
+
+    def number(key, default) -> float:
+        value = get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not value > 0:
+            raise ModelError(f"GGUF metadata '{arch}.{key}'={value!r} in {path!r}: "
+                             "expected a positive number")
+        return _short_float(value)
+
+    n_heads = count("attention.head_count")
+    hidden = count("embedding_length")
+    if hidden % n_heads:
+        raise ModelError(f"GGUF metadata '{arch}.embedding_length'={hidden} in {path!r} is not "
+                         f"divisible by '{arch}.attention.head_count'={n_heads}: expected a multiple")
     rope_dims = meta.get(f"{arch}.rope.dimension_count")
-    if rope_dims is not None and int(rope_dims) != hidden // n_heads:
-        raise ModelError(f"GGUF rope.dimension_count={rope_dims} differs from head_dim="
+    if rope_dims is not None and rope_dims != hidden // n_heads:
+        raise ModelError(f"GGUF rope.dimension_count={rope_dims!r} differs from head_dim="
                          f"{hidden // n_heads}: only full-head rotary embeddings are supported")
     if meta.get(f"{arch}.rope.scaling.type") not in (None, "none"):
         raise ModelError(f"GGUF rope scaling {meta[f'{arch}.rope.scaling.type']!r} is not "
                          "supported: expected none")
     vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
+    if vocab == 0:
+        raise ModelError(f"GGUF file {path!r} has neither '{arch}.vocab_size' nor "
+                         "'tokenizer.ggml.tokens': expected a vocabulary")
+    meta = {**meta, f"{arch}.vocab_size": vocab}
     eos = meta.get("tokenizer.ggml.eos_token_id")
-    return LlamaConfig(
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        n_layers=int(get("block_count")),
-        n_heads=n_heads,
-        n_kv_heads=int(get("attention.head_count_kv", n_heads)),
-        ffn_size=int(get("feed_forward_length")),
-        rope_theta=_short_float(get("rope.freq_base", 10000.0)),
-        norm_eps=_short_float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-        max_context=int(get("context_length", 2048)),
-        tie_embeddings=True,  # fixed below from the tensor list
-        bos_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_ids=() if eos is None else (int(eos),),
-    )
+    try:
+        return LlamaConfig(
+            vocab_size=count("vocab_size"),
+            hidden_size=hidden,
+            n_layers=count("block_count"),
+            n_heads=n_heads,
+            n_kv_heads=count("attention.head_count_kv", n_heads),
+            ffn_size=count("feed_forward_length"),
+            rope_theta=number("rope.freq_base", 10000.0),
+            norm_eps=number("attention.layer_norm_rms_epsilon", 1e-5),
+            max_context=count("context_length", 2048),
+            tie_embeddings=True,  # fixed below from the tensor list
+            bos_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_ids=() if eos is None else (int(eos),),
+        )
+    except ModelError as e:  # a relation between fields (e.g. KV heads that do not divide heads)
+        raise ModelError(f"GGUF file {path!r}: {e}") from None
 
 
 def _canonical(gguf_name: str) -> str | None:
@@ -143,9 +167,15 @@ def _canonical(gguf_name: str) -> str | None:
     if gguf_name == "output.weight":
         return "lm_head"
     parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" and parts[2] in _BLOCK_TENSORS:
+    if (len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[3] == "weight"
+            and parts[2] in _BLOCK_TENSORS):
         return f"blocks.{int(parts[1])}.{_BLOCK_TENSORS[parts[2]]}"
     return None
+
+
+def _block_order(gguf_name: str) -> tuple:
+    parts = gguf_name.split(".")
+    return (int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else -1, gguf_name)
 
 
 def _dequantize(tensor, config: LlamaConfig, name: str) -> np.ndarray:
@@ -204,6 +234,11 @@ def read_gguf(path, report: Reporter = silent) -> tuple[LlamaConfig, dict, Token
 
     config = dataclasses.replace(config, tie_embeddings="output.weight" not in names)
     expected = weight_shapes(config)
+    extra = sorted((n for n, c in names.items() if c not in expected), key=_block_order)
+    if extra:
+        raise ModelError(f"GGUF file {path!r} has tensors {extra[:3]} beyond its "
+                         f"'{meta['general.architecture']}.block_count'={config.n_layers}: "
+                         f"expected blocks blk.0 to blk.{config.n_layers - 1} only")
     missing = sorted(set(expected) - set(names.values()))
     if missing:
         raise ModelError(f"GGUF file {path!r} lacks tensors for {missing[:3]}: "
