@@ -16,27 +16,7 @@ from tfnb.cluster import LocalCluster, worker
 from tfnb.cluster.status import parse_status_file
 from tfnb.errors import ClusterError, StatusFileError
 
-
-def _gone(pid: int, within: float) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        try:  # a child of this process stays a zombie until reaped
-            if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                return True
-        except ChildProcessError:
-            pass
-        try:  # an orphan's zombie waits for whoever adopted it
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    return True
-        except OSError:
-            return True
-        time.sleep(0.1)
-    return False
+from .test_cluster import _gone
 
 
 def _wait_for(path: str, within: float = 15.0) -> bool:
