@@ -1,6 +1,9 @@
 """Generate on a real cluster when a worker dies or stops answering: a clear error in bounded
 time, a usable kernel, and a working model again once the worker is back and placed again."""
+import _thread
 import signal
+import subprocess
+import threading
 import time
 import warnings
 
@@ -60,7 +63,7 @@ def test_stopped_worker_times_out_and_the_kernel_stays_usable(workers, setup):
     workers.kill(0, signal.SIGSTOP)
     try:
         start = time.monotonic()
-        with pytest.raises(WorkerLostError, match="no answer within 5.0 s"):
+        with pytest.raises(WorkerLostError, match="no answer within 5.0 s|task:0 .*stopped answering"):
             placed.generate_ids(PROMPT, max_new_tokens=48, chunk_tokens=4)
         assert time.monotonic() - start < 5.0 + 2.0
         st = cluster.status(timeout=1.0)  # the kernel still answers, and says which worker hangs
@@ -70,3 +73,172 @@ def test_stopped_worker_times_out_and_the_kernel_stays_usable(workers, setup):
     finally:
         workers.kill(0, signal.SIGCONT)
     _recover(workers, cluster, model, expected, 0)
+
+
+# A silent worker must not freeze the process: the bound below is the liveness probe's
+# interval + timeout (tfnb.runtime.faults) + 2 s, far below the placed model's 60 s deadline.
+LIVENESS_BOUND_S = 2.0 + 3.0 + 2.0
+
+
+class _Stopped:
+    """SIGSTOP a worker; a separate process resumes it after ``resume_s`` whatever happens
+    here, so a regression that freezes this process fails the test instead of hanging CI."""
+
+    def __init__(self, workers, task, resume_s=40):
+        self.workers, self.task = workers, task
+        pid = workers.pids[task]
+        self.net = subprocess.Popen(["sh", "-c", f"sleep {resume_s}; kill -CONT {pid}"])
+
+    def stop(self):
+        self.workers.kill(self.task, signal.SIGSTOP)
+
+    def resume(self):
+        self.workers.kill(self.task, signal.SIGCONT)
+        self.net.kill()
+        self.net.wait()
+
+
+def _in_background(fn):
+    """Run ``fn`` in a thread, as a notebook user would; returns (thread, outcome dict)."""
+    out = {}
+
+    def run():
+        start = time.monotonic()
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001
+            out["error"] = e
+        out["seconds"] = time.monotonic() - start
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def _cells_keep_running(ipython, thread, n=6):
+    """While ``thread`` waits on a silent worker, the kernel still runs cells, each at once."""
+    for i in range(n):
+        if not thread.is_alive():
+            break
+        start = time.monotonic()
+        result = ipython.run_cell(f"_tfnb_probe = sum(range({i} * 1000))")
+        assert result.success and time.monotonic() - start < 0.5
+        time.sleep(0.3)
+
+
+@pytest.fixture
+def patient(setup):
+    """The setup's placed model with a 60 s deadline: only liveness can fail a call early."""
+    setup[2].timeout = 60.0
+    return setup
+
+
+# the shapes of a call: compiled before; a new prompt length (a new trace, sent to every worker
+# as a new function); a new batch size (new KV caches as well)
+SHAPES = {"compiled": dict(prompts=PROMPT, max_new_tokens=48),
+          "new length": dict(prompts=[1] + list(range(40, 60)), max_new_tokens=40),
+          "new batch": dict(prompts=[PROMPT, "other words", "x"], max_new_tokens=48)}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_worker_stopped_before_a_call_fails_it_in_seconds_and_cells_run(workers, patient, ipython,
+                                                                       shape):
+    cluster, model, placed, expected = patient
+    stopped = _Stopped(workers, 1)
+    stopped.stop()
+    try:
+        thread, out = _in_background(lambda: placed.generate_ids(**SHAPES[shape], chunk_tokens=4))
+        _cells_keep_running(ipython, thread)
+        thread.join(LIVENESS_BOUND_S + 5)
+        assert not thread.is_alive(), "the call did not return while the worker was stopped"
+        assert isinstance(out.get("error"), WorkerLostError), out
+        assert "task:1" in str(out["error"]) and out["seconds"] < LIVENESS_BOUND_S, out
+    finally:
+        stopped.resume()
+    _recover(workers, cluster, model, expected, 1)
+
+
+def test_worker_stopped_during_a_call_that_compiles(workers, patient, ipython, monkeypatch):
+    """The worker stops right after the new function reached it, while it compiles and runs."""
+    import tensorflow as tf
+
+    from tfnb.runtime.graphs import OnDevice, client_cpu
+
+    cluster, model, placed, expected = patient
+    stopped = _Stopped(workers, 0)
+    call = OnDevice.__call__
+
+    def traced_then_stopped(self, *args):
+        with tf.device(client_cpu()):
+            args = [tf.constant(a) for a in args]
+        with tf.device(self.device):
+            self.fn.get_concrete_function(*args)  # traced and sent to the workers
+        stopped.stop()                            # before the workers compile and run it
+        return call(self, *args)
+
+    monkeypatch.setattr(OnDevice, "__call__", traced_then_stopped)
+    try:
+        thread, out = _in_background(lambda: placed.generate_ids([PROMPT] * 2, max_new_tokens=48))
+        _cells_keep_running(ipython, thread)
+        thread.join(LIVENESS_BOUND_S + 5)
+        assert not thread.is_alive(), "the call did not return while the worker was stopped"
+        assert isinstance(out.get("error"), WorkerLostError) and "task:0" in str(out["error"]), out
+        assert out["seconds"] < LIVENESS_BOUND_S, out
+    finally:
+        monkeypatch.undo()
+        stopped.resume()
+    _recover(workers, cluster, model, expected, 0)
+
+
+def test_worker_stopped_during_a_compiled_call(workers, patient):
+    cluster, model, placed, expected = patient
+    stream = placed.generate_ids(PROMPT, max_new_tokens=48, stream=True, chunk_tokens=4)
+    assert next(stream) == expected[:4]
+    stopped = _Stopped(workers, 1)
+    stopped.stop()
+    try:
+        start = time.monotonic()
+        with pytest.raises(WorkerLostError, match="task:1"):
+            list(stream)
+        assert time.monotonic() - start < LIVENESS_BOUND_S
+    finally:
+        stopped.resume()
+    _recover(workers, cluster, model, expected, 1)
+
+
+def test_worker_stopped_before_place_fails_placing_in_seconds(workers, setup):
+    cluster, model, _, expected = setup
+    stopped = _Stopped(workers, 1)
+    stopped.stop()
+    try:
+        start = time.monotonic()
+        with pytest.raises(WorkerLostError, match="task:1"):
+            tfnb.place(model, cluster.devices, cluster, timeout=60.0)
+        assert time.monotonic() - start < LIVENESS_BOUND_S
+    finally:
+        stopped.resume()
+    _recover(workers, cluster, model, expected, 1)
+
+
+def test_ctrl_c_stops_waiting_and_the_next_call_does_not_race_it(workers, setup):
+    """Ctrl-C while a long call runs: the call stops at once, the graph finishes on the workers
+    in the background, and the next call waits for it, then gives the same tokens."""
+    cluster, model, placed, expected = setup
+    long = dict(max_new_tokens=200)
+    model_eos, placed.eos_ids = placed.eos_ids, ()  # every call makes all 200 tokens
+    try:
+        reference = placed.generate_ids(PROMPT, **long)  # compiles; the timed call is warm
+        start = time.monotonic()
+        assert placed.generate_ids(PROMPT, **long) == reference
+        took = time.monotonic() - start
+        timer = threading.Timer(took / 4, _thread.interrupt_main)
+        start = time.monotonic()
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            placed.generate_ids(PROMPT, **long)
+        timer.cancel()
+        assert time.monotonic() - start < took / 4 + 0.5  # stopped waiting at once
+        assert placed.generate_ids(PROMPT, **long) == reference
+        assert placed.generate_ids(PROMPT, max_new_tokens=48) == expected
+    finally:
+        placed.eos_ids = model_eos
