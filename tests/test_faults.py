@@ -242,3 +242,23 @@ def test_ctrl_c_stops_waiting_and_the_next_call_does_not_race_it(workers, setup)
         assert placed.generate_ids(PROMPT, max_new_tokens=48) == expected
     finally:
         placed.eos_ids = model_eos
+
+
+def test_after_a_restart_apply_places_afresh_on_the_restarted_worker(workers, setup):
+    """The editor's Apply passes previous=<last placed> to tfnb.place; after a restart that
+    placement's variables on the worker are gone, so nothing of it may be reused."""
+    from tfnb.notebook.widgets import PlacementEditor
+
+    cluster, model, placed, expected = setup
+    editor = PlacementEditor(model, cluster, mode="manual")
+    for stage, device in placed.assignment.items():
+        editor.set_device(stage, device)
+    first = editor.apply()
+    assert first is not None, editor.error
+    assert first.generate_ids(PROMPT, max_new_tokens=48, chunk_tokens=4) == expected
+    workers.restart(1)
+    cluster.reconnect()
+    again = editor.apply()
+    assert again is not None and again is not first, editor.error
+    assert again.moved_stages == list(again.assignment)  # every stage created afresh
+    assert again.generate_ids(PROMPT, max_new_tokens=48, chunk_tokens=4) == expected

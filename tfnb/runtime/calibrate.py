@@ -37,10 +37,13 @@ import tensorflow as tf
 
 from tfnb.models.chain import llama_chain, stage_names
 from tfnb.models.llama import random_weights
+from tfnb.runtime.faults import call_with_deadline
 from tfnb.runtime.graphs import HeadIn, Segment, client_cpu, pack_ctl, segment_functions
 from tfnb.runtime.weights import kv_caches, segment_params
 
-__all__ = ["time_stages", "stage_timer"]
+__all__ = ["time_stages", "stage_timer", "CALIBRATION_TIMEOUT_S"]
+
+CALIBRATION_TIMEOUT_S = 600.0  # the longest a calibration may take (it compiles per device)
 
 
 def _loops(small, weights, device: str, batch: int, slots: int) -> dict:
@@ -125,11 +128,15 @@ def stage_timer(config, devices, *, batch: int = 1, slots: int = 128,
     k = max(1, min(config.n_layers, math.ceil(stream_bytes / block_bytes)))
     small = dataclasses.replace(config, n_layers=k)
     weights = random_weights(small, seed)  # the time does not depend on the values
-    loops = {(dev, kind): loop for dev in devices
-             for kind, loop in _loops(small, weights, dev, batch, slots).items()}
+    # bounded like every call on the cluster: a silent worker fails calibration in seconds
+    loops = call_with_deadline(
+        lambda: {(dev, kind): loop for dev in devices
+                 for kind, loop in _loops(small, weights, dev, batch, slots).items()},
+        (), timeout=CALIBRATION_TIMEOUT_S, devices=devices, what="calibration (weights)")
 
     def timer(steps: int = 32, repeats: int = 9) -> dict:
-        per = _per_step(loops, steps, repeats)
+        per = call_with_deadline(_per_step, (loops, steps, repeats), timeout=CALIBRATION_TIMEOUT_S,
+                                 devices=devices, what="calibration")
         return {dev: {kind: per[(dev, kind)] / (k if kind == "block" else 1)
                       for kind in ("embed", "block", "head")} for dev in devices}
 
