@@ -123,7 +123,7 @@ def test_killed_worker_is_down_and_its_ops_fail_fast_then_reconnect_recovers(fau
     class Placed:  # stands for a placed model holding state on worker 1
         lost = None
 
-        def _on_state_lost(self, reason):
+        def on_state_lost(self, reason):
             self.lost = reason
 
     holder = Placed()

@@ -93,6 +93,7 @@ class Cluster:
         self.timeout = timeout
         self.client_address = client_address
         self.local = local
+        self.started_by_local = False  # set by local(): a later local() may replace it
         self.connected = True
         self._incarnations = {p.address: p.incarnation for p in probes}
         self._devices = [d.name for p in probes for d in p.devices]
@@ -141,7 +142,7 @@ class Cluster:
         """Record that ``obj`` (e.g. a placed model) keeps state on ``devices``.
 
         When a worker restarts, :meth:`reconnect` names it among what must be placed again and
-        calls ``obj._on_state_lost(reason)`` if it has that method.
+        calls ``obj.on_state_lost(reason)`` if it has that method.
         """
         tasks = frozenset(d.split("/device:")[0] for d in devices)
         self._holders.append((weakref.ref(obj), label, tasks))
@@ -154,7 +155,7 @@ class Cluster:
                 continue
             if tasks is None or held & tasks:
                 lost.append(label)
-                hook = getattr(obj, "_on_state_lost", None)
+                hook = getattr(obj, "on_state_lost", None)
                 if hook:
                     hook(reason)
             else:
@@ -328,18 +329,22 @@ def local(n_workers: int = 2, *, timeout: float = 5.0, start_timeout: float = 60
     """Start ``n_workers`` TF workers on this machine and connect to them (``cpus``: see
     :class:`~tfnb.cluster.local.LocalCluster`).
 
-    If the cluster this process is connected to is a local one whose workers still run (a
-    second ``%tfcluster local``), it is stopped first with a warning that says so; with
+    If the cluster this process is connected to was started by ``local()`` and its workers still
+    run (a second ``%tfcluster local``), it is stopped first with a warning that says so; with
     ``replace=False`` a :class:`~tfnb.errors.ClusterError` says it is still running instead.
-    Its placed models were lost either way: connecting another cluster ends them.
+    Its placed models were lost either way: connecting another cluster ends them. A
+    ``LocalCluster`` made by hand and connected stays as it is. The arguments are checked
+    before anything is stopped.
 
     Examples
     --------
     >>> cluster = tfnb.local(2)                    # doctest: +SKIP
     >>> cluster.stop()                             # doctest: +SKIP
     """
+    LocalCluster.check_arguments(n_workers, start_timeout, cpus)
+    _check_timeout(timeout)
     prev = _current
-    if prev is not None and prev.local is not None and any(prev.local.alive()):
+    if prev is not None and prev.started_by_local and any(prev.local.alive()):
         what = f"the local cluster of {len(prev.workers)} workers at {', '.join(prev.spec.addresses)}"
         if not replace:
             raise ClusterError(f"{what} is still running; stop it first (cluster.stop() or "
@@ -348,7 +353,9 @@ def local(n_workers: int = 2, *, timeout: float = 5.0, start_timeout: float = 60
         prev.stop()
     lc = LocalCluster(n_workers, timeout=start_timeout, isolate=isolate, cpus=cpus)
     try:
-        return connect(lc, timeout=timeout)
+        cluster = connect(lc, timeout=timeout)
+        cluster.started_by_local = True
+        return cluster
     except BaseException:
         lc.close()
         raise

@@ -87,14 +87,19 @@ class LocalCluster:
     ['127.0.0.1:40123', '127.0.0.1:40124']
     """
 
-    def __init__(self, n_workers: int = 2, *, timeout: float = 60.0, isolate: bool = False,
-                 host: str = "127.0.0.1", job: str = "worker", cpus=None):
+    @staticmethod
+    def check_arguments(n_workers, timeout, cpus) -> list[str | None]:
+        """SpecError naming the first bad argument; the CPU set of each worker otherwise."""
         if isinstance(n_workers, bool) or not isinstance(n_workers, int) or not 1 <= n_workers <= 64:
             raise SpecError(f"n_workers={n_workers!r}; expected an integer from 1 to 64")
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
             raise SpecError(f"timeout={timeout!r}; expected a number of seconds > 0")
+        return _worker_cpus(cpus, n_workers)
+
+    def __init__(self, n_workers: int = 2, *, timeout: float = 60.0, isolate: bool = False,
+                 host: str = "127.0.0.1", job: str = "worker", cpus=None):
+        self.cpus = self.check_arguments(n_workers, timeout, cpus)
         self.timeout = float(timeout)
-        self.cpus = _worker_cpus(cpus, n_workers)
         self.log_dir = Path(tempfile.mkdtemp(prefix="tfnb-local-"))
         self.procs: list[subprocess.Popen] = []
         self.info: list[dict] = []

@@ -108,13 +108,10 @@ def _parse_line(magic, line: str, prefix: str):
     return args
 
 
-def _n_workers(n: str | None) -> int:
-    # tfnb.local stops a running local cluster before it checks n_workers, so a bad N is refused
-    # here, before anything stops; the core's own check says the same.
-    if n is None or not n.isdigit() or not 1 <= int(n) <= 64:
-        raise UsageError(f"%tfcluster local: number of workers {n!r}; expected an integer from 1 "
-                         "to 64")
-    return int(n)
+def _n_workers(n: str | None):
+    """The worker count as an int when it is one; anything else goes to tfnb.local as given,
+    which checks it (before it stops anything) and names the value."""
+    return int(n) if n is not None and n.isdigit() else n
 
 
 def parse_tfcluster(line: str) -> tuple[str, dict, str | None]:

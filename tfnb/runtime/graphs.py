@@ -34,7 +34,7 @@ from tensorflow.python.eager import context
 from tfnb.models.chain import block_index
 from tfnb.runtime import llama as L
 
-__all__ = ["Segment", "segments", "HeadIn", "SegmentFns", "pack_ctl", "unpack_ctl",
+__all__ = ["Segment", "segments", "HeadIn", "SegmentFns", "pack_ctl", "with_tokens", "unpack_ctl",
            "segment_functions", "run_segments", "generate_function", "logits_function",
            "OnDevice", "Program", "client_cpu"]
 
@@ -104,8 +104,13 @@ class SegmentFns(NamedTuple):
 
 def pack_ctl(slot, pad_B, tok_B=None):
     """``[slot, pad_0 .. pad_{B-1}]`` (int32), with ``tok_B`` appended when given."""
-    parts = [tf.reshape(slot, [1]), pad_B] + ([tok_B] if tok_B is not None else [])
-    return tf.concat(parts, axis=0)
+    ctl = tf.concat([tf.convert_to_tensor(slot, tf.int32)[None], pad_B], axis=0)
+    return ctl if tok_B is None else with_tokens(ctl, tok_B)
+
+
+def with_tokens(ctl, tok_B):
+    """``ctl`` with the tokens appended, for the decode step of the embedding's segment."""
+    return tf.concat([ctl, tok_B], axis=0)
 
 
 def unpack_ctl(ctl, with_tokens: bool):
@@ -175,19 +180,19 @@ def run_segments(segs, fns, which: str, x, pad_B, slot, head_in: HeadIn, mode: s
     ``x`` is the prompt ids (B, P) for prefill and the last tokens (B,) for decode; returns the
     head's ``(next_token_B, done_B)`` (or the logits with ``want_logits``).
     """
+    ctl = pack_ctl(slot, pad_B)  # once, on the caller's device; each segment receives it
     for seg, seg_fns in zip(segs, fns):
         # only the head depends on the sampling mode: the others compile once for all
         seg_head_in, seg_mode = (tuple(head_in), mode) if seg.has_head else (None, None)
+        seg_x, seg_ctl = x, ctl
         if which == "decode" and seg.has_embed:
-            seg_x, ctl = None, pack_ctl(slot, pad_B, x)
-        else:
-            seg_x, ctl = x, pack_ctl(slot, pad_B)
+            seg_x, seg_ctl = None, with_tokens(ctl, x)
         with tf.device(seg.device):
             if which == "prefill":
-                x = seg_fns.prefill(seg_x, ctl, seg_mode, seg_head_in,
+                x = seg_fns.prefill(seg_x, seg_ctl, seg_mode, seg_head_in,
                                     **({"want_logits": True} if want_logits else {}))
             else:
-                x = seg_fns.decode(seg_x, ctl, seg_mode, seg_head_in)
+                x = seg_fns.decode(seg_x, seg_ctl, seg_mode, seg_head_in)
     return x
 
 
