@@ -7,6 +7,7 @@ must be placed again.
 from __future__ import annotations
 
 from tfnb.errors import PlacementError
+from tfnb.names import short_device
 from tfnb.placement.plan import Plan
 
 
@@ -14,9 +15,6 @@ def _assignment(model, plan, cluster) -> dict:
     """Stage -> device from a Plan, a dict, or a list of devices (even contiguous split)."""
     chain = model.chain
     if isinstance(plan, Plan):
-        if plan.mode == "replicate":
-            raise PlacementError("plan mode 'replicate' keeps a full copy per device; place() "
-                                 "runs one pipeline: plan with mode='optimal' (or pick one replica)")
         plan.validate(chain, cluster.devices if cluster is not None else list(set(plan.assignment.values())))
         return dict(plan.assignment)
     if isinstance(plan, (list, tuple, str)):
@@ -68,6 +66,8 @@ def place(model, plan=None, cluster=None, *, timeout: float | None = 60.0, previ
 
         plan = make_plan(model, cluster)
     assignment = _assignment(model, plan, cluster)
+    if isinstance(plan, Plan) and plan.replicas:
+        return _place_replicas(model, plan, cluster, timeout)
     if cluster is not None:
         unknown = sorted(set(assignment.values()) - set(cluster.devices))
         if unknown:
@@ -92,3 +92,19 @@ def place(model, plan=None, cluster=None, *, timeout: float | None = 60.0, previ
         n = len(set(assignment.values()))
         cluster.register(placed, f"{model.name} placed on {n} device{'s' * (n > 1)}", assignment.values())
     return placed
+
+
+def _place_replicas(model, plan: Plan, cluster, timeout):
+    """One full copy per replica device; each is registered with the cluster on its own."""
+    if model.arch != "llama":
+        raise PlacementError(f"model {model.name!r} has arch {model.arch!r}: replicated plans run "
+                             "llama-family models; plan Keras chains with mode='optimal'")
+    from tfnb.runtime import ReplicatedModel, place_llama  # imports TensorFlow
+
+    replicas = []
+    for device in plan.replicas:
+        replica = place_llama(model, dict.fromkeys(plan.assignment, device), timeout=timeout)
+        if cluster is not None:
+            cluster.register(replica, f"{model.name} replica on {short_device(device)}", [device])
+        replicas.append(replica)
+    return ReplicatedModel(replicas, plan=plan)

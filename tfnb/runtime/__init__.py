@@ -4,6 +4,7 @@
 - ``weights``: weights and KV caches as variables on the segments' devices;
 - ``requests`` and ``session``: checking a generate call, and its client-side chunk loop;
 - ``placed``: ``PlacedModel``, which ties them together; ``faults``: deadlines and liveness;
+- ``replicas``: ``ReplicatedModel``, full copies on several devices, requests spread by load;
 - ``calibrate``: stage times for the planners, with the same compiled functions.
 
 Examples
@@ -16,8 +17,10 @@ Examples
 from tfnb.runtime.devices import even_split, resolve_assignment
 from tfnb.runtime.graphs import Segment
 from tfnb.runtime.placed import PlacedModel, place_llama
+from tfnb.runtime.replicas import ReplicaLostWarning, ReplicatedModel
 from tfnb.runtime.requests import GenerateOptions, GenerateRequest
 from tfnb.runtime.session import ChunkEvent
 
-__all__ = ["place_llama", "PlacedModel", "Segment", "ChunkEvent", "GenerateOptions",
+__all__ = ["place_llama", "PlacedModel", "ReplicatedModel", "ReplicaLostWarning", "Segment",
+           "ChunkEvent", "GenerateOptions",
            "GenerateRequest", "even_split", "resolve_assignment"]

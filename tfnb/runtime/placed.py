@@ -202,9 +202,14 @@ class PlacedModel:
         shape = [B, cfg.n_kv_heads, S, cfg.head_dim]
         if self._lost:
             raise WorkerLostError(self._lost)
-        caches = call_with_deadline(lambda: [kv_caches(seg, shape) for seg in self.segments], (),
-                                    timeout=self.compile_timeout, devices=self.devices,
-                                    what="allocating the KV caches")
+        try:
+            caches = call_with_deadline(
+                lambda: [kv_caches(seg, shape) for seg in self.segments], (),
+                timeout=self.compile_timeout, devices=self.devices,
+                what="allocating the KV caches")
+        except WorkerLostError as e:
+            self._lost = f"this placed model lost a worker earlier ({e}); place it again"
+            raise
         fns = [segment_functions(seg, params, seg_caches, cfg, self.eos_ids, self.pad_id)
                for seg, params, seg_caches in zip(self.segments, self.params, caches)]
         program = Program(self.segments, fns, caches, S, self.xla_loop)

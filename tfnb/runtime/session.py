@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tfnb.errors import GenerateError
+from tfnb.errors import GenerateError, WorkerLostError
 from tfnb.runtime.requests import GenerateRequest, make_batch
 
 __all__ = ["ChunkEvent", "GenerateSession"]
@@ -69,6 +69,8 @@ class GenerateSession:
         state = None
         remaining, index, start = self.max_new, 0, time.perf_counter()
         while remaining > 0 and not all(self.finished):
+            if pm.lost:  # a worker was lost meanwhile (by this stream or another call)
+                raise WorkerLostError(pm.lost)
             if pm.caches_owner is not self:
                 raise GenerateError("another generate call on this model started while this "
                                     "stream was open: a stream cannot continue after it")

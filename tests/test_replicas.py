@@ -1,0 +1,102 @@
+"""A replicated plan (the seed's MirroredStrategy mode) placed and serving concurrent requests on
+real workers: each worker holds a full copy, requests spread over them, a lost one is dropped."""
+import threading
+import time
+import warnings
+
+import pytest
+
+import tfnb
+from tfnb.cluster import LocalCluster
+from tfnb.errors import WorkerLostError
+from tfnb.models import tiny
+from tfnb.runtime import ReplicaLostWarning, ReplicatedModel
+
+PROMPTS = ["hello world", "the cat", "one two three", "x y", "good morning", "a b c d"]
+
+
+@pytest.fixture(scope="module")
+def workers():
+    lc = LocalCluster(2)
+    yield lc
+    lc.close()
+
+
+@pytest.fixture
+def setup(workers):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cluster = tfnb.connect(workers)
+    model = tiny("llama")
+    single = tfnb.place(model, [cluster.devices[0]], cluster)
+    expected = {p: single.generate_ids(p, max_new_tokens=24) for p in PROMPTS}
+    plan = tfnb.plan(model, cluster, mode="replicate", calibrate=False)
+    placed = tfnb.place(model, plan, cluster)
+    return cluster, model, placed, expected
+
+
+def _concurrently(fn, items):
+    out, threads = {}, []
+    for item in items:
+        def run(item=item):
+            try:
+                out[item] = fn(item)
+            except BaseException as e:  # noqa: BLE001
+                out[item] = e
+        threads.append(threading.Thread(target=run))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads)
+    return out
+
+
+def test_a_replicated_plan_places_a_full_copy_per_worker(setup):
+    cluster, model, placed, expected = setup
+    assert isinstance(placed, ReplicatedModel) and placed.devices == cluster.devices
+    for replica, device in zip(placed.replicas, cluster.devices):
+        assert set(replica.assignment.values()) == {device}
+        assert {v.device for v in replica.variables} == {device}
+    assert placed.generate_ids(PROMPTS[0], max_new_tokens=24) == expected[PROMPTS[0]]
+
+
+def test_concurrent_requests_run_on_both_replicas_with_the_same_tokens(setup):
+    cluster, model, placed, expected = setup
+    for p in PROMPTS[:2]:  # compile on both replicas before the concurrent round
+        placed.generate_ids(p, max_new_tokens=24)
+    before = dict(placed.served)
+    got = _concurrently(lambda p: placed.generate_ids(p, max_new_tokens=24), PROMPTS)
+    assert got == expected
+    served = {d: placed.served[d] - before[d] for d in placed.served}
+    assert sum(served.values()) == len(PROMPTS) and all(n > 0 for n in served.values()), served
+
+
+def test_streaming_on_a_replica_gives_the_same_text(setup):
+    cluster, model, placed, expected = setup
+    pieces = list(placed.generate_ids(PROMPTS[1], max_new_tokens=24, stream=True, chunk_tokens=5))
+    assert [t for piece in pieces for t in piece] == expected[PROMPTS[1]]
+
+
+def test_a_replica_whose_worker_dies_is_dropped_and_the_other_keeps_serving(workers, setup):
+    """Requests that were on the lost replica are retried on the other (they had returned
+    nothing yet); a stream on it fails, since part of it may have been shown."""
+    cluster, model, placed, expected = setup
+    for p in PROMPTS[:2]:
+        placed.generate_ids(p, max_new_tokens=24)
+    stream = placed.replicas[1].generate_ids(PROMPTS[2], max_new_tokens=24, stream=True,
+                                             chunk_tokens=4)
+    assert next(stream) == expected[PROMPTS[2]][:4]
+    workers.kill(1)
+    try:
+        start = time.monotonic()
+        with pytest.warns(ReplicaLostWarning, match="task:1"):
+            results = _concurrently(lambda p: placed.generate_ids(p, max_new_tokens=24), PROMPTS[:4])
+        assert time.monotonic() - start < 30
+        assert results == {p: expected[p] for p in PROMPTS[:4]}
+        assert placed.devices == [cluster.devices[0]]
+        with pytest.raises(WorkerLostError, match="task:1"):
+            list(stream)
+    finally:
+        workers.restart(1)
+        cluster.reconnect()

@@ -1,0 +1,174 @@
+"""Full copies of a model on several devices, with each request sent to the least loaded one.
+
+What ``tf.distribute.MirroredStrategy`` does for training, for serving: every replica device
+holds the whole model, so independent requests run on different workers at the same time. A
+request (one ``generate`` call) runs on one replica from start to end; concurrent callers
+(threads, background cells) are spread over the replicas by the number of requests each has in
+flight, and queue on a replica only when every replica is busy.
+
+Each replica is registered with the cluster on its own, so a worker restart marks only the
+replicas it held as lost. A replica whose worker is lost is dropped with a :class:`ReplicaLostWarning` and the others
+keep serving. A request that was running on it is retried on another replica when it returns
+its result at the end (nothing of it reached the caller yet); a stream fails with
+``WorkerLostError``, since part of its text may have been shown. With no replica left, a
+request fails with ``WorkerLostError``.
+
+Examples
+--------
+>>> placed = tfnb.place(model, tfnb.plan(model, cluster, mode="replicate"), cluster)  # doctest: +SKIP
+>>> placed.generate(["Hi", "Hello"])                                                 # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+from tfnb.errors import WorkerLostError
+from tfnb.runtime.placed import PlacedModel
+from tfnb.runtime.requests import with_options_signature
+
+__all__ = ["ReplicatedModel", "ReplicaLostWarning"]
+
+
+class ReplicaLostWarning(UserWarning):
+    """A replica of a replicated model lost its worker and no longer takes requests."""
+
+
+class ReplicatedModel:
+    """Replicas (``PlacedModel``s holding the whole model, one per device) behind one API.
+
+    Attributes
+    ----------
+    replicas : list of PlacedModel
+        The replicas still serving, in device order.
+    served : dict
+        Requests finished per replica device.
+    plan : tfnb.Plan or None
+        The replicated plan this placement applied.
+    """
+
+    def __init__(self, replicas: list[PlacedModel], plan=None):
+        if not replicas:
+            raise ValueError("a replicated model needs at least one replica")
+        self.replicas, self.plan = list(replicas), plan
+        self.config, self.tokenizer, self.name = (replicas[0].config, replicas[0].tokenizer,
+                                                  replicas[0].name)
+        self._lock = threading.Lock()
+        self._in_flight = {id(r): 0 for r in replicas}
+        self._request_locks = {id(r): threading.Lock() for r in replicas}
+        self.served = {r.devices[0]: 0 for r in replicas}
+        self.last_stats: dict | None = None
+
+    @property
+    def devices(self) -> list[str]:
+        return [r.devices[0] for r in self.replicas]
+
+    @property
+    def assignment(self) -> dict[str, str]:
+        """The first replica's assignment (every stage on its device)."""
+        return self.replicas[0].assignment
+
+    @property
+    def variables(self) -> list:
+        return [v for r in self.replicas for v in r.variables]
+
+    @property
+    def eos_ids(self) -> tuple:
+        return self.replicas[0].eos_ids
+
+    @eos_ids.setter
+    def eos_ids(self, value) -> None:
+        for r in self.replicas:
+            r.eos_ids = value
+
+    # ----- routing ----------------------------------------------------------------------------
+
+    def _pick(self) -> PlacedModel:
+        with self._lock:
+            alive = [r for r in self.replicas if r.lost is None]
+            for r in list(self.replicas):
+                if r.lost is not None:
+                    self._drop(r, r.lost)
+            if not alive:
+                raise WorkerLostError(f"every replica of {self.name or 'this model'} lost its "
+                                      "worker; reconnect the cluster and place the model again")
+            replica = min(alive, key=lambda r: self._in_flight[id(r)])
+            self._in_flight[id(replica)] += 1
+            return replica
+
+    def _drop(self, replica: PlacedModel, why) -> None:
+        if replica in self.replicas and len(self.replicas) > 1:
+            self.replicas.remove(replica)
+            warnings.warn(f"replica on {replica.devices[0]} dropped: {why}; "
+                          f"{len(self.replicas)} replica(s) keep serving", ReplicaLostWarning,
+                          stacklevel=4)
+
+    def _done(self, replica: PlacedModel, error: BaseException | None) -> None:
+        with self._lock:
+            self._in_flight[id(replica)] -= 1
+            if error is None:
+                self.served[replica.devices[0]] += 1
+                self.last_stats = replica.last_stats
+            elif isinstance(error, WorkerLostError):
+                self._drop(replica, str(error).split(";")[0])
+
+    def _route(self, method: str, prompts, options: dict):
+        if options.get("stream"):
+            replica = self._pick()
+            return self._stream(replica, method, prompts, options)
+        while True:
+            replica = self._pick()
+            try:
+                # one request at a time per replica: chunks of two requests never interleave
+                with self._request_locks[id(replica)]:
+                    result = getattr(replica, method)(prompts, **options)
+            except WorkerLostError as e:
+                self._done(replica, e)
+                if not any(r is not replica and r.lost is None for r in self.replicas):
+                    raise
+                continue
+            except BaseException as e:
+                self._done(replica, e)
+                raise
+            self._done(replica, None)
+            return result
+
+    def _stream(self, replica, method, prompts, options):
+        chunks = getattr(replica, method)(prompts, **options)  # checks the arguments now
+        return self._streamed(replica, chunks)
+
+    def _streamed(self, replica, chunks):
+        error = None
+        try:
+            yield from chunks
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            self._done(replica, error)
+
+    # ----- the PlacedModel API ------------------------------------------------------------------
+
+    @with_options_signature
+    def generate(self, prompts, **options):
+        """``PlacedModel.generate`` on the least loaded replica."""
+        return self._route("generate", prompts, options)
+
+    @with_options_signature
+    def generate_ids(self, prompts, **options):
+        """``PlacedModel.generate_ids`` on the least loaded replica."""
+        return self._route("generate_ids", prompts, options)
+
+    def chat(self, message_or_messages, **options):
+        """``PlacedModel.chat`` on the least loaded replica."""
+        return self._route("chat", message_or_messages, options)
+
+    def logits(self, prompts):
+        """``PlacedModel.logits`` on the least loaded replica."""
+        return self._route("logits", prompts, {})
+
+    def __repr__(self) -> str:
+        return (f"ReplicatedModel({self.name or 'llama'}: {len(self.replicas)} replicas on "
+                f"{self.devices})")
+
