@@ -31,10 +31,10 @@ import numpy as np
 
 from tfnb.errors import ModelError
 from tfnb.models.llama import weight_shapes
-from tfnb.names import format_bytes, format_count
+from tfnb.names import format_bytes, format_count, format_span, short_device
 
 __all__ = ["Stage", "LayerChain", "llama_chain", "variables_chain", "keras_chain", "STAGE_KINDS",
-           "block_stage", "block_index", "is_block", "stage_names"]
+           "block_stage", "block_index", "is_block", "stage_names", "Segment", "segments"]
 
 STAGE_KINDS = ("embed", "block", "head", "layer")
 _F32 = 4
@@ -86,6 +86,55 @@ def stage_names(n_blocks: int) -> list[str]:
     ['embed', 'block.0', 'block.1', 'head']
     """
     return ["embed"] + [block_stage(i) for i in range(n_blocks)] + ["head"]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of consecutive stages on one device: what a plan shows and the runtime compiles.
+
+    Examples
+    --------
+    >>> seg = Segment("/job:worker/replica:0/task:1/device:CPU:0", ("block.1", "head"))
+    >>> seg, seg.blocks, seg.has_head
+    (Segment(worker:1/CPU:0: block.1 .. head (2)), (1,), True)
+    """
+
+    device: str
+    stages: tuple[str, ...]
+
+    @property
+    def blocks(self) -> tuple[int, ...]:
+        """The transformer blocks among the stages, in order."""
+        return tuple(i for i in map(block_index, self.stages) if i is not None)
+
+    @property
+    def has_embed(self) -> bool:
+        return "embed" in self.stages
+
+    @property
+    def has_head(self) -> bool:
+        return "head" in self.stages
+
+    def __repr__(self) -> str:
+        return f"Segment({short_device(self.device)}: {format_span(self.stages)})"
+
+
+def segments(assignment: dict[str, str], names=None) -> list[Segment]:
+    """The segments of ``assignment`` (stage -> device), over ``names`` in order (default: the
+    assignment's own order).
+
+    Examples
+    --------
+    >>> segments({"embed": "a", "block.0": "a", "block.1": "b", "head": "b"})
+    [Segment(a: embed .. block.0 (2)), Segment(b: block.1 .. head (2))]
+    """
+    runs: list[list[str]] = []
+    for name in (list(assignment) if names is None else names):
+        if runs and assignment[runs[-1][-1]] == assignment[name]:
+            runs[-1].append(name)
+        else:
+            runs.append([name])
+    return [Segment(assignment[r[0]], tuple(r)) for r in runs]
 
 
 @dataclass(frozen=True)

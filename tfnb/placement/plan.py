@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tfnb.errors import PlacementError
-from tfnb.models.chain import block_index, block_stage
+from tfnb.models.chain import Segment, block_index, block_stage, segments
 from tfnb.names import MANUAL, OBJECTIVES, PLAN_MODES, format_bytes, format_span, short_device
 from tfnb.placement.cost import (DEFAULT_CONTEXT_LEN, Prediction, Topology, check_assignment,
                                  check_load, predict, predict_replicated)
@@ -23,17 +23,6 @@ from tfnb.placement.cost import (DEFAULT_CONTEXT_LEN, Prediction, Topology, chec
 __all__ = ["Plan", "PlanDiff", "Segment"]
 
 _FORMAT = "tfnb.plan"
-
-
-@dataclass(frozen=True)
-class Segment:
-    """A run of consecutive stages on one device."""
-
-    device: str
-    stages: tuple[str, ...]
-
-    def __repr__(self) -> str:
-        return f"Segment({short_device(self.device)}: {format_span(self.stages)})"
 
 
 @dataclass(frozen=True)
@@ -199,13 +188,7 @@ class Plan:
 
     def segments(self) -> list[Segment]:
         """Runs of consecutive stages on one device, in chain order."""
-        runs: list[list] = []
-        for stage, dev in self.assignment.items():
-            if runs and runs[-1][0] == dev:
-                runs[-1][1].append(stage)
-            else:
-                runs.append([dev, [stage]])
-        return [Segment(d, tuple(s)) for d, s in runs]
+        return segments(self.assignment)
 
     def diff(self, other: "Plan") -> PlanDiff:
         """Which stages move, from where to where, going from ``self`` to ``other``.

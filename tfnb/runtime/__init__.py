@@ -15,7 +15,7 @@ Examples
 """
 
 from tfnb.runtime.devices import even_split, resolve_assignment
-from tfnb.runtime.graphs import Segment
+from tfnb.models.chain import Segment
 from tfnb.runtime.placed import PlacedModel, place_llama
 from tfnb.runtime.replicas import ReplicaLostWarning, ReplicatedModel
 from tfnb.runtime.requests import GenerateOptions, GenerateRequest

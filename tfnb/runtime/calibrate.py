@@ -35,10 +35,10 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from tfnb.models.chain import llama_chain, stage_names
+from tfnb.models.chain import Segment, llama_chain, stage_names
 from tfnb.models.llama import random_weights
 from tfnb.runtime.faults import call_with_deadline
-from tfnb.runtime.graphs import HeadIn, Segment, client_cpu, pack_ctl, segment_functions
+from tfnb.runtime.graphs import HeadIn, client_cpu, pack_ctl, segment_functions
 from tfnb.runtime.weights import kv_caches, segment_params
 
 __all__ = ["time_stages", "stage_timer", "CALIBRATION_TIMEOUT_S"]

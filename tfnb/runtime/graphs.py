@@ -1,6 +1,7 @@
 """The compiled-segment protocol: what runs on each device, and the graphs that chain them.
 
-A *segment* is a run of consecutive stages on one device. Each segment has two XLA-compiled
+A *segment* (:class:`tfnb.models.chain.Segment`, the type plans show too) is a run of
+consecutive stages on one device. Each segment has two XLA-compiled
 functions over its weights and KV caches (:class:`SegmentFns`): ``prefill(x, ctl, mode,
 head_in)`` and ``decode(x, ctl, mode, head_in)``. Their arguments are packed to keep the tensors
 crossing devices per step few:
@@ -17,9 +18,8 @@ calibration loops (:mod:`tfnb.runtime.calibrate`) all go through it or through
 
 Examples
 --------
->>> segments({"embed": "a", "block.0": "a", "block.1": "b", "head": "b"},
-...          ["embed", "block.0", "block.1", "head"])[1].blocks
-(1,)
+>>> pack_ctl(3, tf.constant([0, 2])).numpy().tolist()
+[3, 0, 2]
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ import tensorflow as tf
 from tensorflow.compiler.tf2xla.python import xla
 from tensorflow.python.eager import context
 
-from tfnb.models.chain import block_index
+from tfnb.models.chain import Segment
 from tfnb.runtime import llama as L
 
-__all__ = ["Segment", "segments", "HeadIn", "SegmentFns", "pack_ctl", "with_tokens", "unpack_ctl",
+__all__ = ["HeadIn", "SegmentFns", "pack_ctl", "with_tokens", "unpack_ctl",
            "segment_functions", "run_segments", "generate_function", "logits_function",
            "OnDevice", "Program", "client_cpu"]
 
@@ -53,36 +53,6 @@ class _QuietRetracing(logging.Filter):
 
 
 tf.get_logger().addFilter(_QuietRetracing())
-
-
-class Segment(NamedTuple):
-    """Consecutive stages on one device, as the runtime compiles them."""
-    device: str
-    stages: tuple[str, ...]
-
-    @property
-    def blocks(self) -> tuple[int, ...]:
-        """The transformer blocks among the stages, in order."""
-        return tuple(i for i in map(block_index, self.stages) if i is not None)
-
-    @property
-    def has_embed(self) -> bool:
-        return "embed" in self.stages
-
-    @property
-    def has_head(self) -> bool:
-        return "head" in self.stages
-
-
-def segments(assignment: dict[str, str], names: list[str]) -> list[Segment]:
-    """The segments of ``assignment`` (stage -> device) over the stages ``names`` in order."""
-    runs: list[list[str]] = []
-    for name in names:
-        if runs and assignment[runs[-1][-1]] == assignment[name]:
-            runs[-1].append(name)
-        else:
-            runs.append([name])
-    return [Segment(assignment[r[0]], tuple(r)) for r in runs]
 
 
 class HeadIn(NamedTuple):

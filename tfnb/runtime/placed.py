@@ -25,10 +25,10 @@ import numpy as np
 import tensorflow as tf
 
 from tfnb.errors import GenerateError, PlacementError, WorkerLostError
-from tfnb.models.chain import stage_names
+from tfnb.models.chain import segments, stage_names
 from tfnb.runtime.devices import resolve_assignment
 from tfnb.runtime.faults import call_with_deadline
-from tfnb.runtime.graphs import Program, segment_functions, segments
+from tfnb.runtime.graphs import Program, segment_functions
 from tfnb.runtime.requests import (GenerateOptions, GenerateRequest, make_batch, prompt_ids,
                                    with_options_signature)
 from tfnb.runtime.session import GenerateSession

@@ -7,7 +7,7 @@ value converted under a remote device scope holds it; see ``graphs.OnDevice``).
 Examples
 --------
 >>> from tfnb.models.llama import tiny_config, random_weights
->>> from tfnb.runtime.graphs import Segment
+>>> from tfnb.models.chain import Segment
 >>> cfg = tiny_config()
 >>> seg = Segment("/device:CPU:0", ("embed", "block.0", "block.1", "head"))
 >>> p = segment_params(cfg, random_weights(cfg, 0), seg, head_device="/device:CPU:0")
@@ -21,10 +21,10 @@ import numpy as np
 import tensorflow as tf
 
 from tfnb.errors import PlacementError
-from tfnb.models.chain import block_stage
+from tfnb.models.chain import Segment, block_stage
 from tfnb.models.llama import weight_shapes
 from tfnb.runtime import llama as L
-from tfnb.runtime.graphs import Segment, client_cpu
+from tfnb.runtime.graphs import client_cpu
 
 __all__ = ["variable_on", "segment_params", "kv_caches", "check_weights", "param_variables"]
 
