@@ -39,15 +39,35 @@ def local_workers():
     lc.close()
 
 
-@pytest.fixture
-def cluster(local_workers):
-    """This process connected to the session's two workers (reconnects if a test moved it)."""
+def _connect(workers):
     import tfnb
     from tfnb.cluster.security import ExposedServerWarning
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ExposedServerWarning)
-        return tfnb.connect(local_workers, timeout=5.0)
+        return tfnb.connect(workers, timeout=5.0)
+
+
+@pytest.fixture
+def cluster(local_workers):
+    """This process connected to the session's two workers (reconnects if a test moved it)."""
+    return _connect(local_workers)
+
+
+@pytest.fixture(scope="module")
+def own_workers():
+    """Two worker processes of the test module's own, for tests that stop, kill or restart them."""
+    from tfnb.cluster import LocalCluster
+
+    lc = LocalCluster(2)
+    yield lc
+    lc.close()
+
+
+@pytest.fixture
+def own_cluster(own_workers):
+    """This process connected to the module's own workers."""
+    return _connect(own_workers)
 
 
 @pytest.fixture(scope="session")

@@ -5,38 +5,27 @@ import signal
 import subprocess
 import threading
 import time
-import warnings
 
 import pytest
 
 import tfnb
-from tfnb.cluster import LocalCluster
 from tfnb.errors import WorkerLostError
 from tfnb.models import tiny
 
 PROMPT = "hello world"
 
 
-@pytest.fixture(scope="module")
-def workers():
-    lc = LocalCluster(2)
-    yield lc
-    lc.close()
-
-
 @pytest.fixture
-def setup(workers):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        cluster = tfnb.connect(workers)
+def setup(own_cluster):
+    cluster = own_cluster
     model = tiny("llama")
     placed = tfnb.place(model, cluster.devices, cluster, timeout=5.0)
     expected = placed.generate_ids(PROMPT, max_new_tokens=48, chunk_tokens=4)  # compiles too
     return cluster, model, placed, expected
 
 
-def _recover(workers, cluster, model, expected, task):
-    workers.restart(task)
+def _recover(own_workers, cluster, model, expected, task):
+    own_workers.restart(task)
     report = cluster.reconnect()
     assert report["restarted"] == [cluster.workers[task]]
     assert report["lost"] == ["tiny-llama placed on 2 devices"]
@@ -44,35 +33,35 @@ def _recover(workers, cluster, model, expected, task):
     assert again.generate_ids(PROMPT, max_new_tokens=48, chunk_tokens=4) == expected
 
 
-def test_worker_killed_mid_generate(workers, setup):
+def test_worker_killed_mid_generate(own_workers, setup):
     cluster, model, placed, expected = setup
     stream = placed.generate_ids(PROMPT, max_new_tokens=48, stream=True, chunk_tokens=4)
     first = next(stream)
     assert first == expected[:4]
-    workers.kill(1)
+    own_workers.kill(1)
     start = time.monotonic()
     with pytest.raises(WorkerLostError, match="task:1") as e:
         list(stream)
     assert time.monotonic() - start < 5
     assert "place the model again" in str(e.value)
-    _recover(workers, cluster, model, expected, 1)
+    _recover(own_workers, cluster, model, expected, 1)
 
 
-def test_stopped_worker_times_out_and_the_kernel_stays_usable(workers, setup):
+def test_stopped_worker_times_out_and_the_kernel_stays_usable(own_workers, setup):
     cluster, model, placed, expected = setup
-    workers.kill(0, signal.SIGSTOP)
+    own_workers.kill(0, signal.SIGSTOP)
     try:
         start = time.monotonic()
         with pytest.raises(WorkerLostError, match="no answer within 5.0 s|task:0 .*stopped answering"):
             placed.generate_ids(PROMPT, max_new_tokens=48, chunk_tokens=4)
         assert time.monotonic() - start < 5.0 + 2.0
         st = cluster.status(timeout=1.0)  # the kernel still answers, and says which worker hangs
-        assert st.states[workers.addresses[0]] == "unresponsive"
+        assert st.states[own_workers.addresses[0]] == "unresponsive"
         with pytest.raises(WorkerLostError, match="no longer usable|place it again"):
             placed.generate_ids(PROMPT, max_new_tokens=4)
     finally:
-        workers.kill(0, signal.SIGCONT)
-    _recover(workers, cluster, model, expected, 0)
+        own_workers.kill(0, signal.SIGCONT)
+    _recover(own_workers, cluster, model, expected, 0)
 
 
 # A silent worker must not freeze the process: the bound below is the liveness probe's
@@ -84,9 +73,9 @@ class _Stopped:
     """SIGSTOP a worker; a separate process resumes it after ``resume_s`` whatever happens
     here, so a regression that freezes this process fails the test instead of hanging CI."""
 
-    def __init__(self, workers, task, resume_s=40):
-        self.workers, self.task = workers, task
-        pid = workers.pids[task]
+    def __init__(self, own_workers, task, resume_s=40):
+        self.workers, self.task = own_workers, task
+        pid = own_workers.pids[task]
         self.net = subprocess.Popen(["sh", "-c", f"sleep {resume_s}; kill -CONT {pid}"])
 
     def stop(self):
@@ -141,10 +130,10 @@ SHAPES = {"compiled": dict(prompts=PROMPT, max_new_tokens=48),
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_worker_stopped_before_a_call_fails_it_in_seconds_and_cells_run(workers, patient, ipython,
+def test_worker_stopped_before_a_call_fails_it_in_seconds_and_cells_run(own_workers, patient, ipython,
                                                                        shape):
     cluster, model, placed, expected = patient
-    stopped = _Stopped(workers, 1)
+    stopped = _Stopped(own_workers, 1)
     stopped.stop()
     try:
         thread, out = _in_background(lambda: placed.generate_ids(**SHAPES[shape], chunk_tokens=4))
@@ -155,25 +144,25 @@ def test_worker_stopped_before_a_call_fails_it_in_seconds_and_cells_run(workers,
         assert "task:1" in str(out["error"]) and out["seconds"] < LIVENESS_BOUND_S, out
     finally:
         stopped.resume()
-    _recover(workers, cluster, model, expected, 1)
+    _recover(own_workers, cluster, model, expected, 1)
 
 
-def test_worker_stopped_during_a_call_that_compiles(workers, patient, ipython, monkeypatch):
+def test_worker_stopped_during_a_call_that_compiles(own_workers, patient, ipython, monkeypatch):
     """The worker stops right after the new function reached it, while it compiles and runs."""
     import tensorflow as tf
 
     from tfnb.runtime.graphs import OnDevice, client_cpu
 
     cluster, model, placed, expected = patient
-    stopped = _Stopped(workers, 0)
+    stopped = _Stopped(own_workers, 0)
     call = OnDevice.__call__
 
     def traced_then_stopped(self, *args):
         with tf.device(client_cpu()):
             args = [tf.constant(a) for a in args]
         with tf.device(self.device):
-            self.fn.get_concrete_function(*args)  # traced and sent to the workers
-        stopped.stop()                            # before the workers compile and run it
+            self.fn.get_concrete_function(*args)  # traced and sent to the own_workers
+        stopped.stop()                            # before the own_workers compile and run it
         return call(self, *args)
 
     monkeypatch.setattr(OnDevice, "__call__", traced_then_stopped)
@@ -187,14 +176,14 @@ def test_worker_stopped_during_a_call_that_compiles(workers, patient, ipython, m
     finally:
         monkeypatch.undo()
         stopped.resume()
-    _recover(workers, cluster, model, expected, 0)
+    _recover(own_workers, cluster, model, expected, 0)
 
 
-def test_worker_stopped_during_a_compiled_call(workers, patient):
+def test_worker_stopped_during_a_compiled_call(own_workers, patient):
     cluster, model, placed, expected = patient
     stream = placed.generate_ids(PROMPT, max_new_tokens=48, stream=True, chunk_tokens=4)
     assert next(stream) == expected[:4]
-    stopped = _Stopped(workers, 1)
+    stopped = _Stopped(own_workers, 1)
     stopped.stop()
     try:
         start = time.monotonic()
@@ -203,12 +192,12 @@ def test_worker_stopped_during_a_compiled_call(workers, patient):
         assert time.monotonic() - start < LIVENESS_BOUND_S
     finally:
         stopped.resume()
-    _recover(workers, cluster, model, expected, 1)
+    _recover(own_workers, cluster, model, expected, 1)
 
 
-def test_worker_stopped_before_place_fails_placing_in_seconds(workers, setup):
+def test_worker_stopped_before_place_fails_placing_in_seconds(own_workers, setup):
     cluster, model, _, expected = setup
-    stopped = _Stopped(workers, 1)
+    stopped = _Stopped(own_workers, 1)
     stopped.stop()
     try:
         start = time.monotonic()
@@ -217,11 +206,11 @@ def test_worker_stopped_before_place_fails_placing_in_seconds(workers, setup):
         assert time.monotonic() - start < LIVENESS_BOUND_S
     finally:
         stopped.resume()
-    _recover(workers, cluster, model, expected, 1)
+    _recover(own_workers, cluster, model, expected, 1)
 
 
-def test_ctrl_c_stops_waiting_and_the_next_call_does_not_race_it(workers, setup):
-    """Ctrl-C while a long call runs: the call stops at once, the graph finishes on the workers
+def test_ctrl_c_stops_waiting_and_the_next_call_does_not_race_it(own_workers, setup):
+    """Ctrl-C while a long call runs: the call stops at once, the graph finishes on the own_workers
     in the background, and the next call waits for it, then gives the same tokens."""
     cluster, model, placed, expected = setup
     long = dict(max_new_tokens=200)
@@ -244,7 +233,7 @@ def test_ctrl_c_stops_waiting_and_the_next_call_does_not_race_it(workers, setup)
         placed.eos_ids = model_eos
 
 
-def test_after_a_restart_apply_places_afresh_on_the_restarted_worker(workers, setup):
+def test_after_a_restart_apply_places_afresh_on_the_restarted_worker(own_workers, setup):
     """The editor's Apply passes previous=<last placed> to tfnb.place; after a restart that
     placement's variables on the worker are gone, so nothing of it may be reused."""
     from tfnb.notebook.widgets import PlacementEditor
@@ -256,7 +245,7 @@ def test_after_a_restart_apply_places_afresh_on_the_restarted_worker(workers, se
     first = editor.apply()
     assert first is not None, editor.error
     assert first.generate_ids(PROMPT, max_new_tokens=48, chunk_tokens=4) == expected
-    workers.restart(1)
+    own_workers.restart(1)
     cluster.reconnect()
     again = editor.apply()
     assert again is not None and again is not first, editor.error

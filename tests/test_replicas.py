@@ -2,12 +2,10 @@
 real workers: each worker holds a full copy, requests spread over them, a lost one is dropped."""
 import threading
 import time
-import warnings
 
 import pytest
 
 import tfnb
-from tfnb.cluster import LocalCluster
 from tfnb.errors import WorkerLostError
 from tfnb.models import tiny
 from tfnb.runtime import ReplicaLostWarning, ReplicatedModel
@@ -15,18 +13,9 @@ from tfnb.runtime import ReplicaLostWarning, ReplicatedModel
 PROMPTS = ["hello world", "the cat", "one two three", "x y", "good morning", "a b c d"]
 
 
-@pytest.fixture(scope="module")
-def workers():
-    lc = LocalCluster(2)
-    yield lc
-    lc.close()
-
-
 @pytest.fixture
-def setup(workers):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        cluster = tfnb.connect(workers)
+def setup(own_cluster):
+    cluster = own_cluster
     model = tiny("llama")
     single = tfnb.place(model, [cluster.devices[0]], cluster)
     expected = {p: single.generate_ids(p, max_new_tokens=24) for p in PROMPTS}
@@ -78,7 +67,7 @@ def test_streaming_on_a_replica_gives_the_same_text(setup):
     assert [t for piece in pieces for t in piece] == expected[PROMPTS[1]]
 
 
-def test_a_replica_whose_worker_dies_is_dropped_and_the_other_keeps_serving(workers, setup):
+def test_a_replica_whose_worker_dies_is_dropped_and_the_other_keeps_serving(own_workers, setup):
     """Requests that were on the lost replica are retried on the other (they had returned
     nothing yet); a stream on it fails, since part of it may have been shown."""
     cluster, model, placed, expected = setup
@@ -87,7 +76,7 @@ def test_a_replica_whose_worker_dies_is_dropped_and_the_other_keeps_serving(work
     stream = placed.replicas[1].generate_ids(PROMPTS[2], max_new_tokens=24, stream=True,
                                              chunk_tokens=4)
     assert next(stream) == expected[PROMPTS[2]][:4]
-    workers.kill(1)
+    own_workers.kill(1)
     try:
         start = time.monotonic()
         with pytest.warns(ReplicaLostWarning, match="task:1"):
@@ -98,5 +87,5 @@ def test_a_replica_whose_worker_dies_is_dropped_and_the_other_keeps_serving(work
         with pytest.raises(WorkerLostError, match="task:1"):
             list(stream)
     finally:
-        workers.restart(1)
+        own_workers.restart(1)
         cluster.reconnect()

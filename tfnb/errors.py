@@ -22,7 +22,15 @@ class NotConnectedError(ClusterError):
 
 
 class WorkerLostError(ClusterError):
-    """A worker died or stopped answering while it held state of ours."""
+    """A worker died or stopped answering while it held state of ours.
+
+    ``confirmed`` is False when TensorFlow reported a lost connection but every worker the call
+    used still answers (another worker of the cluster went away): that state is not lost.
+    """
+
+    def __init__(self, message: str, *, confirmed: bool = True):
+        super().__init__(message)
+        self.confirmed = confirmed
 
 
 class ModelError(TfnbError, ValueError):

@@ -97,14 +97,19 @@ def call_with_deadline(fn: Callable, args: tuple, *, timeout: float | None,
     _wait(thread, timeout, devices, what, probe_timeout)
     if "error" in result:
         error = result["error"]
+        if isinstance(error, WorkerLostError):  # raised while tracing: TF prefixes its trace
+            message = str(error)
+            raise WorkerLostError(message[message.rfind("WorkerLostError: ") + 17:]
+                                  if "WorkerLostError: " in message else message) from None
         down = _unhealthy_workers(devices) if isinstance(error, tf.errors.OpError) else []
-        if isinstance(error, LOST_WORKER_ERRORS) or _resource_gone(error) or down:
+        gone = _resource_gone(error)
+        if isinstance(error, LOST_WORKER_ERRORS) or gone or down:
             named = down or devices_named_in(str(error), devices) or list(devices)
             first_line = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
             raise WorkerLostError(
                 f"{what} failed on device(s) {named}: {type(error).__name__}: {first_line}. "
                 "The worker died or restarted; reconnect the cluster and place the model "
-                "again.") from error
+                "again.", confirmed=bool(down) or gone) from error
         raise error
     return result["value"]
 

@@ -208,7 +208,8 @@ class PlacedModel:
                 timeout=self.compile_timeout, devices=self.devices,
                 what="allocating the KV caches")
         except WorkerLostError as e:
-            self._lost = f"this placed model lost a worker earlier ({e}); place it again"
+            if e.confirmed:
+                self._lost = f"this placed model lost a worker earlier ({e}); place it again"
             raise
         fns = [segment_functions(seg, params, seg_caches, cfg, self.eos_ids, self.pad_id)
                for seg, params, seg_caches in zip(self.segments, self.params, caches)]
@@ -241,8 +242,9 @@ class PlacedModel:
                 self._warm[id(fn)] = fn
                 return out
             except WorkerLostError as e:
-                self._lost = (f"this placed model lost a worker earlier ({e}); place it again "
-                              "after reconnecting")
+                if e.confirmed:  # else its own workers all answer: nothing of it was lost
+                    self._lost = (f"this placed model lost a worker earlier ({e}); place it "
+                                  "again after reconnecting")
                 raise
 
     def _started(self, thread: threading.Thread) -> None:

@@ -110,14 +110,14 @@ class ReplicatedModel:
             if error is None:
                 self.served[replica.devices[0]] += 1
                 self.last_stats = replica.last_stats
-            elif isinstance(error, WorkerLostError):
+            elif isinstance(error, WorkerLostError) and replica.lost is not None:
                 self._drop(replica, str(error).split(";")[0])
 
     def _route(self, method: str, prompts, options: dict):
         if options.get("stream"):
             replica = self._pick()
             return self._stream(replica, method, prompts, options)
-        while True:
+        for attempt in range(len(self.replicas) + 1):
             replica = self._pick()
             try:
                 # one request at a time per replica: chunks of two requests never interleave
@@ -125,7 +125,7 @@ class ReplicatedModel:
                     result = getattr(replica, method)(prompts, **options)
             except WorkerLostError as e:
                 self._done(replica, e)
-                if not any(r is not replica and r.lost is None for r in self.replicas):
+                if attempt == len(self.replicas) or not any(r.lost is None for r in self.replicas):
                     raise
                 continue
             except BaseException as e:
