@@ -424,3 +424,29 @@ def test_optimal_falls_back_to_a_beam_search_when_every_device_differs():
     assert not p.prediction.over_memory() and len(p.devices) >= 12
     greedy = plan(chain, topo16, mode="greedy", context_len=64)
     assert p.prediction.latency_s <= greedy.prediction.latency_s
+
+
+@pytest.mark.parametrize("change, quoted", [
+    ({"mode": 7}, "mode=7"),
+    ({"batch": "x"}, "batch='x'"),
+    ({"context_len": -1}, "context_len=-1"),
+    ({"replicas": 5}, "replicas=5"),
+    ({"assignment": ["a"]}, "'stages'"),
+    ({"prediction": "bad"}, "'prediction'"),
+])
+def test_a_corrupt_plan_file_is_one_error_naming_the_value(tmp_path, change, quoted):
+    path = Plan({"embed": "a", "block.0": "a", "block.1": "b", "head": "b"}).save(tmp_path / "p.json")
+    path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
+    with pytest.raises(PlacementError) as e:
+        Plan.load(path)
+    assert quoted in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_directory_or_another_models_plan_is_refused(tmp_path):
+    from tfnb.models import tiny
+
+    with pytest.raises(PlacementError, match="is a directory"):
+        Plan.load(tmp_path)
+    other = Plan({"embed": "a", **{f"block.{i}": "a" for i in range(5)}, "head": "a"})
+    with pytest.raises(PlacementError, match="block.2"):
+        other.validate(tiny("llama").chain, ["a"])

@@ -61,9 +61,16 @@ def _best(fn, arg, repeats: int) -> float:
     return min(times)
 
 
-def _compute_flops(tf, device: str, n: int, matmuls: int, repeats: int) -> float:
+def _on(tf, device: str, value):
+    """``value`` (made on this client) copied to ``device`` by an op: a Python value converted
+    under a remote device scope would hold the GIL until the worker answers (see
+    ``tfnb.runtime.graphs.OnDevice``)."""
     with tf.device(device):
-        a = tf.random.uniform((n, n), 0.0, 1.0 / n)
+        return tf.identity(value)
+
+
+def _compute_flops(tf, device: str, n: int, matmuls: int, repeats: int) -> float:
+    a = _on(tf, device, tf.random.uniform((n, n), 0.0, 1.0 / n))
 
     @tf.function
     def chain(x):
@@ -180,12 +187,25 @@ def measure_topology(cluster, devices=None, *, repeats: int = 5, tensor_bytes: i
     >>> topo.latency[0, 1] * 1e3, topo.bandwidth[0, 1] / 1e9          # doctest: +SKIP
     (0.4, 1.1)
     """
-    import tensorflow as tf  # here, so that planning on a Topology never imports TensorFlow
-
     devices = list(cluster.devices if devices is None else devices)
     key = (_cluster_key(cluster, devices), repeats, tensor_bytes, matmul_n, matmuls, smooth)
     if not refresh and key in _CACHE:
         return _CACHE[key]
+    # the runtime imports TensorFlow: here, so that planning on a Topology never does
+    from tfnb.runtime.faults import call_with_deadline
+
+    # bounded like every call on the cluster: a silent worker fails the measurement in seconds
+    topo = call_with_deadline(_measure, (cluster, devices, repeats, tensor_bytes, matmul_n,
+                                         matmuls, budget_s, smooth),
+                              timeout=2 * budget_s + 120, devices=devices,
+                              what="measuring the cluster")
+    _CACHE[key] = topo
+    return topo
+
+
+def _measure(cluster, devices, repeats, tensor_bytes, matmul_n, matmuls, budget_s, smooth):
+    import tensorflow as tf
+
     start = time.perf_counter()
     flops = [_compute_flops(tf, d, matmul_n, matmuls, repeats) for d in devices]
     n = len(devices)
@@ -198,8 +218,8 @@ def measure_topology(cluster, devices=None, *, repeats: int = 5, tensor_bytes: i
             if time.perf_counter() - start > budget_s:
                 skipped += 1
                 continue
-            with tf.device(devices[a]):
-                tensors = [tf.ones((1,)), tf.ones((max(1, tensor_bytes // 4),))]
+            tensors = [_on(tf, devices[a], tf.ones((1,))),
+                       _on(tf, devices[a], tf.ones((max(1, tensor_bytes // 4),)))]
             lat, bw = _pair(tf, devices[a], devices[b], tensors, repeats)
             latency[a, b] = latency[b, a] = lat
             bandwidth[a, b] = bandwidth[b, a] = bw
@@ -213,9 +233,7 @@ def measure_topology(cluster, devices=None, *, repeats: int = 5, tensor_bytes: i
     memory, kinds = _memory_and_kinds(cluster, devices)
     if smooth:
         memory, flops, latency, bandwidth = _smooth(kinds, memory, flops, latency, bandwidth)
-    topo = Topology(devices, memory=memory, flops=flops, latency=latency, bandwidth=bandwidth)
-    _CACHE[key] = topo
-    return topo
+    return Topology(devices, memory=memory, flops=flops, latency=latency, bandwidth=bandwidth)
 
 
 def _cluster_key(cluster, devices) -> tuple:

@@ -108,6 +108,9 @@ class Plan:
             raise PlacementError(f"objective={self.objective!r}: expected one of "
                                  f"{list(OBJECTIVES)}")
         check_load(self.batch, self.context_len)
+        if isinstance(self.replicas, str) or not isinstance(self.replicas, (list, tuple)) or \
+                not all(isinstance(d, str) for d in self.replicas):
+            raise PlacementError(f"replicas={self.replicas!r}: expected a list of device strings")
         object.__setattr__(self, "replicas", tuple(self.replicas))
         if self.replicas and set(a.values()) != {self.replicas[0]}:
             raise PlacementError(f"replicas={list(self.replicas)} but the assignment uses "
@@ -247,7 +250,7 @@ class Plan:
                 raise PlacementError(f"{origin}: bad 'prediction' ({e}): expected the fields of "
                                      "Prediction") from None
         return cls({s: a[s] for s in stages}, data["mode"], data["objective"], data["batch"],
-                   data["context_len"], tuple(data.get("replicas") or ()), pred,
+                   data["context_len"], data.get("replicas") or (), pred,
                    float(data.get("planner_s") or 0.0))
 
     def save(self, path) -> Path:
@@ -270,6 +273,9 @@ class Plan:
         except FileNotFoundError:
             raise PlacementError(f"no plan file at {str(path)!r}: expected a path written by "
                                  "Plan.save") from None
+        except IsADirectoryError:
+            raise PlacementError(f"plan file {str(path)!r} is a directory: expected a file "
+                                 "written by Plan.save") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise PlacementError(f"plan file {str(path)!r} is not valid JSON ({e}): expected a "
                                  "file written by Plan.save") from None
