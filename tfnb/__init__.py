@@ -25,7 +25,8 @@ _LAZY = {
     "connect": "tfnb.cluster", "local": "tfnb.cluster", "current": "tfnb.cluster",
     "ExposedServerWarning": "tfnb.cluster", "LoopbackGuard": "tfnb.cluster",
     "load_model": "tfnb.models", "Model": "tfnb.models", "LayerChain": "tfnb.models",
-    "place": "tfnb.placement", "PlacedModel": "tfnb.runtime",
+    "place": "tfnb.placement", "PlacedModel": "tfnb.runtime", "ReplicatedModel": "tfnb.runtime",
+    "serve": "tfnb.serving", "Server": "tfnb.serving",
     "profile": "tfnb.profiler", "Profile": "tfnb.profiler",
     "PlacementEditor": "tfnb.notebook.widgets",
     "plan": "tfnb.placement", "Plan": "tfnb.placement", "Topology": "tfnb.placement",
@@ -33,7 +34,7 @@ _LAZY = {
 
 
 def __getattr__(name):
-    if name in ("cluster", "models", "runtime", "placement", "profiler", "notebook"):
+    if name in ("cluster", "models", "runtime", "placement", "profiler", "notebook", "serving"):
         import importlib
 
         return importlib.import_module(f"tfnb.{name}")

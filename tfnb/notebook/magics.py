@@ -108,10 +108,13 @@ def _parse_line(magic, line: str, prefix: str):
     return args
 
 
-def _n_workers(n: str | None):
-    """The worker count as an int when it is one; anything else goes to tfnb.local as given,
-    which checks it (before it stops anything) and names the value."""
-    return int(n) if n is not None and n.isdigit() else n
+def _n_workers(n: str | None) -> int:
+    """The worker count: the one value the pure parse checks itself, since it turns the word
+    into an int (tfnb.local checks the same range again, before it stops anything)."""
+    if n is None or not n.isdigit() or not 1 <= int(n) <= 64:
+        raise UsageError(f"%tfcluster local: number of workers {n!r}; expected an integer from 1 "
+                         "to 64")
+    return int(n)
 
 
 def parse_tfcluster(line: str) -> tuple[str, dict, str | None]:
@@ -310,6 +313,42 @@ class TfnbMagics(Magics):
         if output:
             self.shell.user_ns[output] = editor
         return editor
+
+    @magic_arguments()
+    @argument("placed", help="name of the variable holding the placed model (never evaluated)")
+    @argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    @argument("--port", type=int, default=0, help="port (default 0: any free port)")
+    @argument("--api-key", default=None, help="bearer token every request must send "
+                                              "(needed beyond loopback)")
+    @argument("--model", default=None, help="the model name clients ask for")
+    @argument("-o", "--output", default=None, help="store the server in this variable")
+    @line_magic
+    def tfserve(self, line: str = ""):
+        """Serve a placed model over OpenAI's HTTP API from this kernel (``tfnb.serve``).
+
+        Examples
+        --------
+        ::
+
+          placed = tfnb.place(model, tfnb.plan(model, cluster, mode="replicate"), cluster)
+          %tfserve placed -o server
+          # any OpenAI client: OpenAI(base_url=server.url, api_key="none")
+          server.close()
+        """
+        args = _parse_line(TfnbMagics.tfserve, line, "%tfserve")
+        if not args.placed.isidentifier() or args.placed not in self.shell.user_ns:
+            raise UsageError(f"%tfserve: no variable {args.placed!r} in this notebook; expected "
+                             "the name of a placed model, e.g. placed = tfnb.place(model, plan)")
+        from tfnb.serving import serve  # here: %load_ext tfnb does not import the HTTP stack
+
+        try:
+            server = serve(self.shell.user_ns[args.placed], host=args.host, port=args.port,
+                           api_key=args.api_key, model=args.model)
+        except TfnbError as e:
+            raise UsageError(f"%tfserve: {e}") from None
+        if args.output:
+            self.shell.user_ns[args.output] = server
+        return server
 
     def _store(self, output: str | None, exc: BaseException) -> None:
         prof = getattr(exc, "tfnb_profile", None)

@@ -97,9 +97,11 @@ def call_with_deadline(fn: Callable, args: tuple, *, timeout: float | None,
     _wait(thread, timeout, devices, what, probe_timeout)
     if "error" in result:
         error = result["error"]
-        if isinstance(error, WorkerLostError):  # raised while tracing: TF prefixes its trace
-            message = str(error)
-            raise WorkerLostError(message[message.rfind("WorkerLostError: ") + 17:]
+        message = str(error)
+        if isinstance(error, WorkerLostError) or "WorkerLostError: " in message:
+            # raised while tracing (by guard_function_registration): TF's autograph re-raises
+            # it with its trace in front, as the same type or as a StagingError
+            raise WorkerLostError(message[message.rfind("WorkerLostError: ") + 17:].strip()
                                   if "WorkerLostError: " in message else message) from None
         down = _unhealthy_workers(devices) if isinstance(error, tf.errors.OpError) else []
         gone = _resource_gone(error)

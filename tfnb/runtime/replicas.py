@@ -21,10 +21,11 @@ Examples
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 
-from tfnb.errors import WorkerLostError
+from tfnb.errors import GenerateError, WorkerLostError
 from tfnb.runtime.placed import PlacedModel
 from tfnb.runtime.requests import with_options_signature
 
@@ -56,6 +57,7 @@ class ReplicatedModel:
                                                   replicas[0].name)
         self._lock = threading.Lock()
         self._in_flight = {id(r): 0 for r in replicas}
+        # a plain Lock: a stream's chunks may be made on different threads (an ASGI thread pool)
         self._request_locks = {id(r): threading.Lock() for r in replicas}
         self.served = {r.devices[0]: 0 for r in replicas}
         self.last_stats: dict | None = None
@@ -63,6 +65,12 @@ class ReplicatedModel:
     @property
     def devices(self) -> list[str]:
         return [r.devices[0] for r in self.replicas]
+
+    @property
+    def in_flight(self) -> dict[str, int]:
+        """Requests running or queued per replica device now."""
+        with self._lock:
+            return {r.devices[0]: self._in_flight[id(r)] for r in self.replicas}
 
     @property
     def assignment(self) -> dict[str, str]:
@@ -121,7 +129,7 @@ class ReplicatedModel:
             replica = self._pick()
             try:
                 # one request at a time per replica: chunks of two requests never interleave
-                with self._request_locks[id(replica)]:
+                with self._turn(replica):
                     result = getattr(replica, method)(prompts, **options)
             except WorkerLostError as e:
                 self._done(replica, e)
@@ -134,6 +142,20 @@ class ReplicatedModel:
             self._done(replica, None)
             return result
 
+    @contextlib.contextmanager
+    def _turn(self, replica: PlacedModel):
+        """Wait for the replica's turn, at most its compile allowance (a queue this long means
+        a request is stuck, or a stream was left open in this thread)."""
+        wait = replica.compile_timeout or replica.timeout or 900.0
+        lock = self._request_locks[id(replica)]
+        if not lock.acquire(timeout=wait):
+            raise GenerateError(f"the replica on {replica.devices[0]} stayed busy for {wait} s "
+                                "(a stream left open on it?): try again, or close the stream")
+        try:
+            yield
+        finally:
+            lock.release()
+
     def _stream(self, replica, method, prompts, options):
         chunks = getattr(replica, method)(prompts, **options)  # checks the arguments now
         return self._streamed(replica, chunks)
@@ -141,7 +163,10 @@ class ReplicatedModel:
     def _streamed(self, replica, chunks):
         error = None
         try:
-            yield from chunks
+            # the replica's request lock from the first chunk on: two streams (or a stream and
+            # a call) never take turns on one replica's caches
+            with self._turn(replica):
+                yield from chunks
         except BaseException as e:
             error = e
             raise

@@ -1,0 +1,127 @@
+"""The OpenAI-compatible endpoint, driven by the official ``openai`` client over real HTTP on
+127.0.0.1, over real workers: concurrent chats, streaming, disconnects, bad requests, keys."""
+import threading
+import time
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai", reason="the endpoint tests drive it with the openai client")
+
+import tfnb  # noqa: E402
+from tfnb.models import tiny  # noqa: E402
+from tfnb.serving import ServeError, serve  # noqa: E402
+
+QUESTIONS = ["hello", "what is two", "the cat sat", "a b c", "good day", "tell me", "why", "x"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny("llama")
+
+
+@pytest.fixture
+def placements(own_cluster, model):
+    """The tiny model split over both workers, and replicated on both."""
+    split = tfnb.place(model, own_cluster.devices, own_cluster)
+    replicated = tfnb.place(model, tfnb.plan(model, own_cluster, mode="replicate",
+                                             calibrate=False), own_cluster)
+    return {"split": split, "replicated": replicated}
+
+
+def _client(server, key="none"):
+    return openai.OpenAI(base_url=server.url, api_key=key, max_retries=0, timeout=60)
+
+
+def _ask(client, name, question, **kw):
+    out = client.chat.completions.create(model=name, temperature=0, max_tokens=16,
+                                         messages=[{"role": "user", "content": question}], **kw)
+    return out.choices[0].message.content
+
+
+@pytest.mark.parametrize("layout", ["replicated", "split"])
+def test_concurrent_chats_get_the_same_greedy_answers_as_one_at_a_time(placements, layout):
+    placed = placements[layout]
+    with serve(placed) as server:
+        client = _client(server)
+        alone = {q: _ask(client, server.model, q) for q in QUESTIONS}
+        assert alone == {q: placed.chat(q, max_new_tokens=16) for q in QUESTIONS}
+        got, threads = {}, []
+        for q in QUESTIONS:
+            threads.append(threading.Thread(target=lambda q=q: got.update({q: _ask(client, server.model, q)})))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert got == alone
+    if layout == "replicated":
+        assert all(n > 0 for n in placed.served.values()), placed.served
+
+
+def test_streaming_gives_the_whole_answer_in_pieces(placements):
+    placed = placements["replicated"]
+    with serve(placed) as server:
+        client = _client(server)
+        stream = client.chat.completions.create(
+            model=server.model, temperature=0, max_tokens=24, stream=True,
+            messages=[{"role": "user", "content": "hello"}])
+        chunks = list(stream)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks)
+        assert text == placed.chat("hello", max_new_tokens=24)
+        assert len(chunks) > 3 and chunks[-1].choices[0].finish_reason in ("stop", "length")
+        done = client.completions.create(model=server.model, prompt="the cat", temperature=0,
+                                         max_tokens=8)
+        assert done.choices[0].text == placed.generate("the cat", max_new_tokens=8)
+        assert done.usage.completion_tokens == 8
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_replica(placements):
+    placed = placements["replicated"]
+    with serve(placed) as server:
+        with httpx.stream("POST", server.url + "/chat/completions", timeout=30, json={
+                "model": server.model, "temperature": 0, "max_tokens": 200, "stream": True,
+                "messages": [{"role": "user", "content": "hello"}]}) as response:
+            assert response.status_code == 200
+            next(response.iter_lines())  # the first event, then hang up
+        deadline = time.monotonic() + 20
+        while sum(placed.in_flight.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert sum(placed.in_flight.values()) == 0, placed.in_flight
+        assert _ask(_client(server), server.model, "hello")  # and it serves again
+
+
+@pytest.mark.parametrize("body, status, word", [
+    (b"{not json", 400, "not JSON"),
+    ({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, 404, "'gpt-4'"),
+    ({"model": "MODEL", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400,
+     "max_tokens=0"),
+    ({"model": "MODEL", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6}, 400,
+     "max_tokens=1000000"),
+    ({"model": "MODEL", "messages": "hi"}, 400, "messages='hi'"),
+    ({"model": "MODEL", "messages": [{"role": "user", "content": "hi"}], "temperature": 9}, 400,
+     "temperature=9"),
+])
+def test_bad_requests_get_the_apis_json_error(placements, body, status, word):
+    with serve(placements["split"]) as server:
+        if isinstance(body, dict) and body.get("model") == "MODEL":
+            body = {**body, "model": server.model}
+        kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+        r = httpx.post(server.url + "/chat/completions", timeout=30, **kw)
+        assert r.status_code == status and word in r.json()["error"]["message"], r.text
+        assert httpx.get(server.url + "/nope", timeout=5).status_code == 404
+
+
+def test_a_key_is_checked_on_every_request_and_needed_beyond_loopback(placements):
+    placed = placements["split"]
+    with pytest.raises(ServeError, match="api_key"):
+        serve(placed, host="0.0.0.0")
+    with pytest.raises(ServeError, match="port=-1"):
+        serve(placed, port=-1)
+    with serve(placed, api_key="s3cret") as server:
+        with pytest.raises(openai.AuthenticationError):
+            _ask(_client(server, key="wrong"), server.model, "hi")
+        assert httpx.get(server.url + "/models", timeout=5).status_code == 401
+        assert _ask(_client(server, key="s3cret"), server.model, "hi") == placed.chat("hi", max_new_tokens=16)
+        models = _client(server, key="s3cret").models.list()
+        assert [m.id for m in models.data] == [server.model]
+        assert httpx.get(server.url.removesuffix("/v1") + "/health", timeout=5).json()["status"] == "ok"

@@ -1,0 +1,403 @@
+"""An OpenAI-compatible HTTP endpoint over a placed model, served from the notebook's kernel.
+
+``tfnb.serve(placed)`` starts a Starlette app under uvicorn in a background thread:
+``/v1/chat/completions`` and ``/v1/completions`` (streamed as server-sent events when asked),
+``/v1/models`` and ``/health``. Any OpenAI client can talk to it, many at once: each request runs
+on a worker thread, on the least loaded replica of a replicated placement (one request per
+replica at a time; others queue). A client that disconnects mid-stream ends its generation.
+
+It binds loopback unless told otherwise; any other address needs an ``api_key`` (checked as a
+bearer token on every request) and warns. Bad requests get the API's JSON error and a 4xx.
+
+Examples
+--------
+>>> server = tfnb.serve(placed)                                    # doctest: +SKIP
+>>> from openai import OpenAI                                      # doctest: +SKIP
+>>> client = OpenAI(base_url=server.url, api_key="none")           # doctest: +SKIP
+>>> client.chat.completions.create(model=server.model, messages=[  # doctest: +SKIP
+...     {"role": "user", "content": "What is the capital of France?"}]).choices[0].message.content
+'The capital of France is Paris.'
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import socket
+import threading
+import time
+import uuid
+import warnings
+
+from tfnb.errors import GenerateError, TfnbError, WorkerLostError
+
+__all__ = ["serve", "Server", "ServeError", "ExposedEndpointWarning"]
+
+START_TIMEOUT_S = 10.0
+
+
+class ServeError(TfnbError, ValueError):
+    """A bad argument to ``serve`` (host, port, key, model)."""
+
+
+class ExposedEndpointWarning(UserWarning):
+    """The endpoint listens beyond this machine's loopback interface."""
+
+
+class _ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.param, self.code = status, kind, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param,
+                          "code": self.code}}
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _check(host, port, api_key) -> None:
+    if not isinstance(host, str) or not host:
+        raise ServeError(f"host={host!r}: expected an address such as '127.0.0.1'")
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ServeError(f"port={port!r}: expected an integer from 0 (any free port) to 65535")
+    if api_key is not None and (not isinstance(api_key, str) or not api_key):
+        raise ServeError(f"api_key={api_key!r}: expected a non-empty str or None")
+    if not _is_loopback(host):
+        if api_key is None:
+            raise ServeError(f"host={host!r} is reachable from other machines: pass api_key=... "
+                             "(clients send it as a bearer token), or serve on 127.0.0.1")
+        warnings.warn(f"the endpoint listens on {host}, beyond loopback; every request must "
+                      "carry the API key", ExposedEndpointWarning, stacklevel=3)
+
+
+def _as_replicated(placed):
+    from tfnb.runtime import PlacedModel, ReplicatedModel
+
+    if isinstance(placed, ReplicatedModel):
+        return placed
+    if isinstance(placed, PlacedModel):  # one replica: requests queue on it, never interleave
+        return ReplicatedModel([placed], plan=placed.plan)
+    raise ServeError(f"placed={placed!r:.60}: expected a model placed with tfnb.place (a "
+                     "llama-family model)")
+
+
+# ----- request checking ---------------------------------------------------------------------
+
+def _options(body: dict, max_context: int) -> dict:
+    """generate() options from an OpenAI request body; _ApiError names a bad field."""
+    n = body.get("max_completion_tokens", body.get("max_tokens", 64))
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n < max_context:
+        raise _ApiError(400, f"max_tokens={n!r}: expected an integer from 1 to {max_context - 1}",
+                        param="max_tokens")
+    temperature = body.get("temperature", 1.0)
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+            or not 0 <= temperature <= 2:
+        raise _ApiError(400, f"temperature={temperature!r}: expected a number from 0 to 2",
+                        param="temperature")
+    options = {"max_new_tokens": n, "stop": body.get("stop") or None}
+    if temperature > 0:  # 0 means greedy, as the API documents
+        options.update(do_sample=True, temperature=float(temperature),
+                       top_p=body.get("top_p", 1.0), seed=body.get("seed"))
+    return options
+
+
+def _messages(body: dict) -> list:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str) for m in messages):
+        raise _ApiError(400, f"messages={messages!r:.80}: expected a non-empty list of "
+                        "{'role': str, 'content': str}", param="messages")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+# ----- the app ------------------------------------------------------------------------------
+
+class _Endpoint:
+    """The routes over one (replicated) placed model."""
+
+    def __init__(self, model, name: str, api_key: str | None):
+        self.model, self.name, self.api_key = model, name, api_key
+        self.tokenizer = model.tokenizer
+
+    def app(self):
+        from starlette.applications import Starlette
+        from starlette.routing import Route
+
+        return Starlette(routes=[
+            Route("/health", self.health, methods=["GET"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+        ], exception_handlers={404: self.not_found, 405: self.not_allowed})
+
+    # -- helpers --
+    def _error(self, e: _ApiError):
+        from starlette.responses import JSONResponse
+
+        return JSONResponse(e.body(), status_code=e.status)
+
+    async def not_found(self, request, exc):
+        return self._error(_ApiError(404, f"no route {request.url.path!r}: expected /v1/models, "
+                                          "/v1/chat/completions, /v1/completions or /health",
+                                     code="not_found"))
+
+    async def not_allowed(self, request, exc):
+        return self._error(_ApiError(405, f"{request.method} is not allowed on "
+                                          f"{request.url.path!r}", code="method_not_allowed"))
+
+    def _authorize(self, request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+            raise _ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                            kind="authentication_error", code="invalid_api_key")
+
+    async def _body(self, request) -> dict:
+        self._authorize(request)
+        try:
+            body = json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise _ApiError(400, f"the request body is not JSON ({e})") from None
+        if not isinstance(body, dict):
+            raise _ApiError(400, f"the request body is {type(body).__name__}: expected an object")
+        if body.get("model") != self.name:
+            raise _ApiError(404, f"model {body.get('model')!r} does not exist: this endpoint "
+                                 f"serves {self.name!r}", param="model", code="model_not_found")
+        return body
+
+    # -- routes --
+    async def health(self, request):
+        from starlette.responses import JSONResponse
+
+        alive = [r for r in self.model.replicas if r.lost is None]
+        return JSONResponse({"status": "ok" if alive else "lost", "replicas": len(alive)},
+                            status_code=200 if alive else 503)
+
+    async def models(self, request):
+        from starlette.responses import JSONResponse
+
+        try:
+            self._authorize(request)
+        except _ApiError as e:
+            return self._error(e)
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.name, "object": "model", "created": 0, "owned_by": "tfnb"}]})
+
+    async def chat(self, request):
+        return await self._complete(request, chat=True)
+
+    async def completions(self, request):
+        return await self._complete(request, chat=False)
+
+    async def _complete(self, request, chat: bool):
+        from starlette.concurrency import run_in_threadpool
+
+        try:
+            body = await self._body(request)
+            options = _options(body, self.model.config.max_context)
+            if chat:
+                prompt = self.tokenizer.apply_chat_template(_messages(body))
+            else:
+                prompt = body.get("prompt")
+                if not isinstance(prompt, str) or not prompt:
+                    raise _ApiError(400, f"prompt={prompt!r:.80}: expected a non-empty str",
+                                    param="prompt")
+            if body.get("stream"):
+                events: list = []
+                chunks = await run_in_threadpool(
+                    lambda: self.model.generate(prompt, stream=True, chunk_tokens=4,
+                                                on_chunk=events.append, **options))
+                return self._sse(chunks, events, chat)
+            return await run_in_threadpool(self._whole, prompt, options, chat)
+        except _ApiError as e:
+            return self._error(e)
+        except GenerateError as e:
+            return self._error(_ApiError(400, str(e)))
+        except WorkerLostError as e:
+            return self._error(_ApiError(503, str(e), kind="server_error", code="worker_lost"))
+
+    def _whole(self, prompt, options, chat: bool):
+        from starlette.responses import JSONResponse
+
+        events: list = []
+        text = self.model.generate(prompt, on_chunk=events.append, **options)
+        reason, n_new = _finish(events, options)
+        n_prompt = len(self.tokenizer.encode(prompt))
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text},
+                   "finish_reason": reason} if chat else
+                  {"index": 0, "text": text, "finish_reason": reason, "logprobs": None})
+        return JSONResponse({
+            "id": _id(chat), "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": self.name, "choices": [choice],
+            "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_new,
+                      "total_tokens": n_prompt + n_new}})
+
+    def _sse(self, chunks, events, chat: bool):
+        from starlette.concurrency import run_in_threadpool
+        from starlette.responses import StreamingResponse
+
+        rid, created = _id(chat), int(time.time())
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def frame(piece: str | None, reason: str | None, first: bool = False) -> str:
+            if chat:
+                delta = {} if piece is None else {"content": piece}
+                if first:
+                    delta["role"] = "assistant"
+                choice = {"index": 0, "delta": delta, "finish_reason": reason}
+            else:
+                choice = {"index": 0, "text": piece or "", "finish_reason": reason,
+                          "logprobs": None}
+            data = {"id": rid, "object": kind, "created": created, "model": self.name,
+                    "choices": [choice]}
+            return f"data: {json.dumps(data)}\n\n"
+
+        async def stream():
+            done = object()
+            try:
+                if chat:
+                    yield frame("", None, first=True)
+                while True:
+                    piece = await run_in_threadpool(next, chunks, done)
+                    if piece is done:
+                        break
+                    if piece:
+                        yield frame(piece, None)
+                yield frame(None, _finish(events, {})[0])
+                yield "data: [DONE]\n\n"
+            except (WorkerLostError, GenerateError) as e:
+                yield f"data: {json.dumps(_ApiError(503, str(e), 'server_error').body())}\n\n"
+            finally:  # also when the client went away: the generation ends, its replica frees
+                await run_in_threadpool(_close, chunks)
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+
+def _close(chunks, wait_s: float = 600.0) -> None:
+    """Close a generate stream; if a chunk is being made right now, once it is done."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            chunks.close()
+            return
+        except ValueError:  # "generator already executing" in another worker thread
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
+
+
+def _id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+
+
+def _finish(events: list, options: dict) -> tuple[str, int]:
+    """``(finish_reason, new tokens)`` from the generate call's chunk events."""
+    if not events:
+        return "length", 0
+    last = events[-1]
+    stopped = bool(last.rows_finished and last.rows_finished[0])
+    return ("stop" if stopped else "length"), last.n_tokens
+
+
+# ----- the server ---------------------------------------------------------------------------
+
+class Server:
+    """A running endpoint: ``url`` (ends in ``/v1``, for OpenAI clients), ``model``, ``close()``.
+
+    Examples
+    --------
+    >>> with tfnb.serve(placed) as server:                        # doctest: +SKIP
+    ...     print(server.url)
+    http://127.0.0.1:40213/v1
+    """
+
+    def __init__(self, uvicorn_server, thread, host: str, port: int, model: str):
+        self._server, self._thread = uvicorn_server, thread
+        self.host, self.port, self.model = host, port, model
+        self.url = f"http://{host if ':' not in host else f'[{host}]'}:{port}/v1"
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop accepting requests and end the server thread (within ``timeout`` s)."""
+        self._server.should_exit = True
+        self._thread.join(timeout)
+
+    def __enter__(self) -> "Server":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<tfnb Server {self.url} model={self.model!r} {'running' if self.running else 'closed'}>"
+
+
+def serve(placed, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None, *,
+          model: str | None = None) -> Server:
+    """Serve ``placed`` (a ``PlacedModel`` or ``ReplicatedModel``) over OpenAI's HTTP API.
+
+    Parameters
+    ----------
+    placed : the result of ``tfnb.place`` for a llama-family model with a tokenizer
+    host : the address to listen on; loopback by default. Any other address needs ``api_key``
+    port : 0 picks a free port (see ``server.url``)
+    api_key : when given, every request must send ``Authorization: Bearer <api_key>``
+    model : the model name clients ask for (default: the placed model's name)
+
+    Returns
+    -------
+    Server
+        With ``url`` (``http://host:port/v1``), ``model`` and ``close()``.
+
+    Examples
+    --------
+    >>> server = tfnb.serve(placed, port=0)        # doctest: +SKIP
+    >>> server.url                                 # doctest: +SKIP
+    'http://127.0.0.1:40213/v1'
+    """
+    _check(host, port, api_key)
+    replicated = _as_replicated(placed)
+    if replicated.tokenizer is None:
+        raise ServeError("this placed model has no tokenizer: the endpoint speaks text")
+    name = model or replicated.name or "tfnb"
+    if not isinstance(name, str):
+        raise ServeError(f"model={model!r}: expected a str")
+    import uvicorn
+
+    endpoint = _Endpoint(replicated, name, api_key)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ServeError(f"cannot listen on {host}:{port} ({e.strerror}): expected a free port "
+                         "on an address of this machine") from None
+    config = uvicorn.Config(endpoint.app(), log_level="warning", lifespan="off",
+                            timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
+                              name="tfnb-serve", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not server.started and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if not server.started:
+        server.should_exit = True
+        raise ServeError(f"the endpoint did not start within {START_TIMEOUT_S} s")
+    return Server(server, thread, host, sock.getsockname()[1], name)
