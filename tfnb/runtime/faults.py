@@ -111,7 +111,8 @@ def call_with_deadline(fn: Callable, args: tuple, *, timeout: float | None,
             raise WorkerLostError(
                 f"{what} failed on device(s) {named}: {type(error).__name__}: {first_line}. "
                 "The worker died or restarted; reconnect the cluster and place the model "
-                "again.", confirmed=bool(down) or gone) from error
+                "again.", confirmed=bool(down) or gone or isinstance(error, tf.errors.AbortedError)
+            ) from error
         raise error
     return result["value"]
 
