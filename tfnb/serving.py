@@ -22,7 +22,6 @@ Examples
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import json
 import socket
 import threading
@@ -30,6 +29,7 @@ import time
 import uuid
 import warnings
 
+from tfnb.cluster.connect import is_loopback
 from tfnb.errors import GenerateError, TfnbError, WorkerLostError
 
 __all__ = ["serve", "Server", "ServeError", "ExposedEndpointWarning"]
@@ -56,15 +56,6 @@ class _ApiError(Exception):
                           "code": self.code}}
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def _check(host, port, api_key) -> None:
     if not isinstance(host, str) or not host:
         raise ServeError(f"host={host!r}: expected an address such as '127.0.0.1'")
@@ -72,7 +63,7 @@ def _check(host, port, api_key) -> None:
         raise ServeError(f"port={port!r}: expected an integer from 0 (any free port) to 65535")
     if api_key is not None and (not isinstance(api_key, str) or not api_key):
         raise ServeError(f"api_key={api_key!r}: expected a non-empty str or None")
-    if not _is_loopback(host):
+    if not is_loopback(host):
         if api_key is None:
             raise ServeError(f"host={host!r} is reachable from other machines: pass api_key=... "
                              "(clients send it as a bearer token), or serve on 127.0.0.1")

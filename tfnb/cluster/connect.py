@@ -40,7 +40,14 @@ def current(required: bool = True) -> "Cluster | None":
     return _current
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address) is this machine's loopback interface.
+
+    Examples
+    --------
+    >>> is_loopback("127.0.0.2"), is_loopback("localhost"), is_loopback("10.0.0.1")
+    (True, True, False)
+    """
     if host == "localhost":
         return True
     try:
@@ -52,7 +59,7 @@ def _is_loopback(host: str) -> bool:
 def advertise_host(spec: ClusterSpec) -> str:
     """The client address the workers can reach: loopback for a local cluster, otherwise the
     address of the interface this machine would use to reach the first remote worker."""
-    remote = [split_address(a) for a in spec.addresses if not _is_loopback(split_address(a)[0])]
+    remote = [split_address(a) for a in spec.addresses if not is_loopback(split_address(a)[0])]
     if not remote:
         return "127.0.0.1"
     host, port = remote[0]
@@ -361,4 +368,4 @@ def local(n_workers: int = 2, *, timeout: float = 5.0, start_timeout: float = 60
         raise
 
 
-__all__ = ["Cluster", "ClusterError", "connect", "current", "local"]
+__all__ = ["Cluster", "ClusterError", "connect", "current", "local", "is_loopback"]

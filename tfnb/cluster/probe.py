@@ -113,9 +113,11 @@ def probe(address: str, timeout: float = 5.0) -> ProbeResult:
         payload = call(b"", timeout=timeout)
     except grpc.RpcError as e:
         code, details = e.code(), e.details() or ""
+        # a process that just died may still reset the connection its listener had accepted
+        reset = code == grpc.StatusCode.UNAVAILABLE and "reset by peer" in details.lower()
         refused = code == grpc.StatusCode.UNAVAILABLE and "refused" in details.lower()
-        state = "down" if refused else "unresponsive"
-        reason = "connection refused" if refused else (
+        state = "down" if refused or reset else "unresponsive"
+        reason = "connection refused" if refused else "connection reset" if reset else (
             f"no answer within {timeout:g} s" if code == grpc.StatusCode.DEADLINE_EXCEEDED
             else details.split(";")[-1].strip() or code.name)
         return ProbeResult(address, state, error=reason)
