@@ -12,6 +12,7 @@ from tfnb.errors import ModelError  # noqa: E402
 from tfnb.models import LayerChain, load_model, tiny  # noqa: E402
 from tfnb.models import llama  # noqa: E402
 from tfnb.models.model import smollm2_path  # noqa: E402
+from tfnb.models.packed import PackedTensor  # noqa: E402
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -164,6 +165,8 @@ def test_progress_true_prints_a_bar_in_a_terminal(tmp_path, capsys):
     config = llama.tiny_config()
     write_llama_gguf(tmp_path / "t.gguf", config, llama.random_weights(config))
     load_model(tmp_path / "t.gguf")
+    assert "reading weights" in capsys.readouterr().err
+    load_model(tmp_path / "t.gguf", weights="float32")
     assert "dequantizing" in capsys.readouterr().err
     load_model(tmp_path / "t.gguf", progress=False)
     assert capsys.readouterr().err == ""
@@ -197,8 +200,18 @@ def test_smollm2_config_matches_the_gguf_facts(smollm2):
         rope_theta=100000.0, norm_eps=1e-5, max_context=8192, tie_embeddings=True,
         bos_id=1, eos_ids=(2,))
     assert "lm_head" not in smollm2.weights
+    # matrices stay in the file's blocks (Q4_1, the embedding Q8_0); norms are float32
+    packed = {n: w for n, w in smollm2.weights.items() if isinstance(w, PackedTensor)}
+    assert len(packed) == 30 * 7 + 1
+    assert packed["embed"].qtype_name == "Q8_0" and packed["blocks.0.wq"].qtype_name == "Q4_1"
+    assert packed["embed"].shape == (49152, 576) and packed["blocks.0.wq"].shape == (576, 576)
     for w in smollm2.weights.values():  # plain, writable arrays: none maps the GGUF file
-        assert w.dtype == np.float32 and w.flags.c_contiguous and w.flags.writeable
+        a = w.data if isinstance(w, PackedTensor) else w
+        assert a.flags.c_contiguous and a.flags.writeable
+        assert a.dtype == (np.uint8 if isinstance(w, PackedTensor) else np.float32)
+    # one full copy is about the file's size, not 5.8x it as float32
+    assert 90e6 < smollm2.nbytes < 100e6
+    assert smollm2.chain.unique_param_bytes == smollm2.nbytes  # what the planners count
     assert smollm2.hf_model is None  # one copy of the weights: the numpy dict
 
 
@@ -229,10 +242,12 @@ def test_smollm2_answers_paris(smollm2):
 def test_smollm2_layer_chain_numbers(smollm2):
     chain = smollm2.chain
     n_params = 134_515_008
-    embed_bytes = 49152 * 576 * 4
+    embed_bytes = 49152 * 576 // 32 * 34                        # Q8_0: 34 bytes per 32 values
+    block_bytes = (2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536) // 32 * 20 + 2 * 576 * 4
     assert len(chain) == 32 and chain.names[1] == "block.0" and chain.names[-1] == "head"
-    assert chain.unique_param_bytes == n_params * 4
-    assert chain.total_param_bytes == n_params * 4 + embed_bytes  # tied head holds embed too
+    assert chain["block.0"].param_bytes == block_bytes            # Q4_1: 20 bytes per 32
+    assert chain.unique_param_bytes == embed_bytes + 30 * block_bytes + 576 * 4
+    assert chain.total_param_bytes == chain.unique_param_bytes + embed_bytes  # tied head
     assert chain["head"].param_bytes == embed_bytes + 576 * 4
     assert {chain[f"block.{i}"].kv_bytes_per_token for i in range(30)} == {2 * 3 * 64 * 4}
     assert chain.kv_bytes(1, 1000)["block.7"] == 1536 * 1000

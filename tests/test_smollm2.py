@@ -1,6 +1,8 @@
-"""SmolLM2-135M over real workers gives Hugging Face's greedy tokens, on one worker and on two."""
+"""SmolLM2-135M over real workers, its weights packed as the GGUF file holds them, gives Hugging
+Face's greedy tokens (computed from the dequantized float32 weights), on one worker and on two."""
 import warnings
 
+import numpy as np
 import pytest
 
 import tfnb
@@ -26,8 +28,11 @@ def test_greedy_tokens_match_hf_on_one_and_two_workers(smollm2, local_workers):
     want = hf.generate(tf.constant([ids]), max_new_tokens=10, do_sample=False, pad_token_id=2)
     want = want[0, len(ids):].numpy().tolist()
     del hf
-    two = tfnb.place(smollm2, tfnb.plan(smollm2, cluster, max_memory="400MB"), cluster)
+    assert smollm2.packed
+    two = tfnb.place(smollm2, tfnb.plan(smollm2, cluster, max_memory="70MB"), cluster)
     assert len(set(two.assignment.values())) == 2
+    held = sum(int(np.prod(v.shape)) * v.dtype.size for v in two.variables)
+    assert held < 130e6  # packed: 92 MB plus the tied embedding on both ends (float32: 538 MB)
     assert two.generate_ids(ids, max_new_tokens=10) == want
     assert "Paris" in two.chat(QUESTION, max_new_tokens=10)
     one = tfnb.place(smollm2, [cluster.devices[1]], cluster, previous=None)

@@ -146,6 +146,22 @@ def _watch_stdin(stop: threading.Event) -> None:
     stop.set()
 
 
+def _load_packed_ops() -> bool:
+    """Load tfnb's packed-weight ops (``tfnb.kernels``) so packed models can run here; without
+    a compiler the worker still serves float32 models and says why on stderr."""
+    import tensorflow as tf
+
+    from tfnb import kernels
+
+    try:
+        kernels.library()
+        return True
+    except (kernels.KernelBuildError, tf.errors.NotFoundError) as e:  # no compiler; bad .so
+        print(f"tfnb worker: packed-weight ops unavailable ({str(e).splitlines()[0]}); "
+              "float32 models still run", file=sys.stderr)
+        return False
+
+
 def serve(cluster: str, job: str, task: int, *, profiler_port: int | None = None,
           watch_stdin: bool = False, cpus: str | None = None, parent_pid: int | None = None) -> int:
     """Run one TF server until a signal (or, with ``watch_stdin``, until stdin closes; with
@@ -183,6 +199,7 @@ def serve(cluster: str, job: str, task: int, *, profiler_port: int | None = None
 
     import tensorflow as tf
 
+    packed_ops = _load_packed_ops()
     address = jobs[job][task]
     _, port = split_address(address)
     try:
@@ -205,7 +222,7 @@ def serve(cluster: str, job: str, task: int, *, profiler_port: int | None = None
     info = {"address": address, "job": job, "task": task, "pid": os.getpid(),
             "target": server.target, "devices": devices,
             "listening": listening_scope(port), "profiler_port": profiler_port or port,
-            "cpus": _ranges(os.sched_getaffinity(0))}
+            "cpus": _ranges(os.sched_getaffinity(0)), "packed_ops": packed_ops}
     print(f"{READY} {json.dumps(info)}", flush=True)
     status_file = status_path(job, task, port)
     threading.Thread(target=_publish_status, args=(tf, status_file, stop), daemon=True).start()

@@ -31,6 +31,7 @@ import numpy as np
 
 from tfnb.errors import ModelError
 from tfnb.models.llama import weight_shapes
+from tfnb.models.packed import weight_nbytes
 from tfnb.names import format_bytes, format_count, format_span, short_device
 
 __all__ = ["Stage", "LayerChain", "llama_chain", "variables_chain", "keras_chain", "STAGE_KINDS",
@@ -291,8 +292,11 @@ class LayerChain:
                 f"({format_bytes(self.unique_param_bytes, 'MB', 2)} unique)")
 
 
-def llama_chain(config) -> LayerChain:
+def llama_chain(config, weights: dict | None = None) -> LayerChain:
     """Stages ``embed``, ``block.0`` ... ``block.{n-1}``, ``head`` of a llama config.
+
+    Bytes are float32 sizes, or those of ``weights`` as the devices will hold them (packed
+    GGUF blocks count their packed bytes).
 
     Examples
     --------
@@ -302,6 +306,8 @@ def llama_chain(config) -> LayerChain:
     """
     shapes = weight_shapes(config)
     nbytes = {n: int(np.prod(s)) * _F32 for n, s in shapes.items()}
+    if weights is not None:
+        nbytes = {n: weight_nbytes(weights[n]) for n in shapes}
     d, hd = config.hidden_size, config.head_dim
 
     def matmul_flops(names):

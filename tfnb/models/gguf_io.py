@@ -1,4 +1,7 @@
-"""Read a llama-architecture GGUF file into canonical float32 weights and a tokenizer.
+"""Read a llama-architecture GGUF file into canonical weights and a tokenizer.
+
+Weights come packed (``PackedTensor``: the file's blocks, for F32, F16, Q4_0, Q4_1 and Q8_0) or
+as float32 arrays (``packed=False``, and any other type, which is dequantized).
 
 Two layout traps, both handled here:
 
@@ -17,6 +20,7 @@ import numpy as np
 
 from tfnb.errors import ModelError
 from tfnb.models.llama import LlamaConfig, weight_shapes
+from tfnb.models.packed import QTYPES, PackedTensor
 from tfnb.models.progress import Reporter, silent
 from tfnb.models.tokenizer import Tokenizer, tokenizer_from_gguf_fields
 
@@ -187,15 +191,35 @@ def _dequantize(tensor, config: LlamaConfig, name: str) -> np.ndarray:
         w = w.copy()  # F32 tensors come back as views of the read-only file map
     if w.ndim == 1 or name == "embed":
         return np.ascontiguousarray(w)   # norms (d,); embed is already (vocab, d)
+    return np.ascontiguousarray(_unpermuted(w, config, name).T)  # (out, in) -> (in, out)
+
+
+def _unpermuted(rows, config: LlamaConfig, name: str):
+    """The q/k rows in HF's rotary order; permuting whole rows also works on packed bytes."""
     if name.endswith(".wq"):
-        w = unpermute_rows(w, config.n_heads)
-    elif name.endswith(".wk"):
-        w = unpermute_rows(w, config.n_kv_heads)
-    return np.ascontiguousarray(w.T)     # (out, in) -> (in, out)
+        return unpermute_rows(rows, config.n_heads)
+    if name.endswith(".wk"):
+        return unpermute_rows(rows, config.n_kv_heads)
+    return rows
 
 
-def read_gguf(path, report: Reporter = silent) -> tuple[LlamaConfig, dict, Tokenizer, str]:
-    """Config, canonical float32 weights, tokenizer and name of a llama GGUF file.
+def _packed(tensor, config: LlamaConfig, name: str):
+    """A ``PackedTensor`` of one 2-D GGUF tensor in a type the kernels read, else None."""
+    qtype = QTYPES.get(tensor.tensor_type.name)
+    if qtype is None or len(tensor.shape) != 2:
+        return None
+    cols, rows = (int(n) for n in tensor.shape)  # GGUF lists the fastest-varying axis first
+    data = np.array(np.asarray(tensor.data).view(np.uint8).reshape(rows, -1))  # out of the map
+    return PackedTensor(_unpermuted(data, config, name), qtype, cols,
+                        transposed=name != "embed")
+
+
+def read_gguf(path, report: Reporter = silent, packed: bool = True
+              ) -> tuple[LlamaConfig, dict, Tokenizer, str]:
+    """Config, canonical weights, tokenizer and name of a llama GGUF file.
+
+    With ``packed`` every matrix in F32, F16, Q4_0, Q4_1 or Q8_0 stays a ``PackedTensor``;
+    vectors (norms) and other types become float32 arrays.
 
     Raises ``ModelError`` for a missing, truncated or corrupt file, an unsupported architecture,
     quantization or tokenizer.
@@ -243,22 +267,27 @@ def read_gguf(path, report: Reporter = silent) -> tuple[LlamaConfig, dict, Token
     if missing:
         raise ModelError(f"GGUF file {path!r} lacks tensors for {missing[:3]}: "
                          "expected a complete llama model")
-    weights: dict[str, np.ndarray] = {}
+    weights: dict = {}
     total = len(reader.tensors)
-    report(0, total, "dequantizing")
+    stage = "reading weights" if packed else "dequantizing"
+    report(0, total, stage)
     for i, tensor in enumerate(reader.tensors):
         name = names[tensor.name]
         try:
-            w = _dequantize(tensor, config, name)
+            w = (packed and _packed(tensor, config, name)) or _dequantize(tensor, config, name)
         except NotImplementedError as exc:
             raise ModelError(f"GGUF tensor {tensor.name} has type {tensor.tensor_type.name}, "
                              f"which gguf cannot dequantize ({exc}): expected a common "
                              "quantization (F32, F16, Q8_0, Q4_0, Q4_1, K-quants)") from None
+        except ValueError as exc:  # bytes that do not make whole rows of the declared shape
+            raise ModelError(f"GGUF tensor {tensor.name} ({tensor.tensor_type.name}, shape "
+                             f"{list(tensor.shape)}) is malformed ({exc}): expected a complete "
+                             ".gguf file") from None
         if w.shape != expected[name]:
             raise ModelError(f"GGUF tensor {tensor.name} has shape {w.shape} after conversion: "
                              f"expected {expected[name]}")
         weights[name] = w
-        report(i + 1, total, "dequantizing")
+        report(i + 1, total, stage)
     try:
         tokenizer = tokenizer_from_gguf_fields(meta)
     except ModelError:

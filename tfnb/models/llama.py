@@ -318,9 +318,9 @@ def to_hf(config: LlamaConfig, weights: dict[str, np.ndarray]):
         if name is None:
             raise ModelError(f"unexpected TFMistral variable {var.name!r}: cannot map it")
         if name == "lm_head" and config.tie_embeddings:
-            value = weights["embed"].T
+            value = np.asarray(weights["embed"], np.float32).T
         else:
-            value = weights[name]
+            value = np.asarray(weights[name], np.float32)  # packed weights dequantize here
         if tuple(var.shape) != value.shape:
             raise ModelError(f"weight {name!r} has shape {value.shape}: expected {tuple(var.shape)}")
         var.assign(value)

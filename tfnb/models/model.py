@@ -13,11 +13,12 @@ from tfnb.models import llama
 from tfnb.models.chain import LayerChain, keras_chain, llama_chain
 from tfnb.models.gguf_io import read_gguf
 from tfnb.models.hf_io import LLAMA_FAMILY, hf_chain, load_hf_dir, load_keras_file
+from tfnb.models.packed import PackedTensor, weight_nbytes
 from tfnb.models.progress import make_reporter
 from tfnb.models.tokenizer import CharTokenizer
 from tfnb.names import format_bytes, format_count
 
-__all__ = ["Model", "load_model", "tiny", "MODEL_NAMES", "TINY_ARCHS", "smollm2_path"]
+__all__ = ["Model", "load_model", "WEIGHT_FORMATS", "tiny", "MODEL_NAMES", "TINY_ARCHS", "smollm2_path"]
 
 ARCHS = ("llama", "hf", "keras")
 MODEL_NAMES = ("smollm2",)
@@ -35,8 +36,9 @@ class Model:
     arch : {"llama", "hf", "keras"}
     config : LlamaConfig, transformers config or None (keras)
     tokenizer : Tokenizer, CharTokenizer or None
-    weights : dict[str, np.ndarray] or None
-        Canonical float32 weights (llama only; the one copy kept on the client).
+    weights : dict[str, np.ndarray or PackedTensor] or None
+        Canonical weights (llama only; the one copy kept on the client): float32 arrays, or
+        ``PackedTensor``s holding a GGUF file's blocks (``np.asarray`` gives their floats).
     hf_model, keras_model
         The loaded object for ``arch="hf"`` / ``arch="keras"``.
 
@@ -66,7 +68,7 @@ class Model:
         """The model's stages (computed once, then cached)."""
         if self._chain is None:
             if self.arch == "llama":
-                self._chain = llama_chain(self.config)
+                self._chain = llama_chain(self.config, self.weights)
             elif self.arch == "hf":
                 self._chain = hf_chain(self.hf_model)
             else:
@@ -116,10 +118,23 @@ class Model:
         by_name = {getattr(v, "path", None) or v.name: v for v in variables}  # as in the chain
         return {n: np.asarray(by_name[n].numpy()) for n in names}
 
+    @property
+    def packed(self) -> bool:
+        """Whether any weight is kept packed (``PackedTensor``)."""
+        return self.arch == "llama" and any(isinstance(w, PackedTensor)
+                                            for w in self.weights.values())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one full copy of the weights as the devices hold them."""
+        if self.arch == "llama":
+            return sum(weight_nbytes(w) for w in self.weights.values())
+        return self.n_params * 4
+
     def __repr__(self) -> str:
-        n = self.n_params
-        return (f"Model({self.name!r}, arch={self.arch!r}, {format_count(n)} params, "
-                f"{format_bytes(n * 4, 'MB', 1)})")
+        kind = ", packed" if self.packed else ""
+        return (f"Model({self.name!r}, arch={self.arch!r}, {format_count(self.n_params)} params, "
+                f"{format_bytes(self.nbytes, 'MB', 1)}{kind})")
 
 
 def smollm2_path() -> str:
@@ -159,7 +174,10 @@ def _llama_model_from_hf(hf_model, tokenizer, path: str) -> Model:
                  source=path)
 
 
-def load_model(name_or_path, *, progress=True) -> Model:
+WEIGHT_FORMATS = ("packed", "float32")
+
+
+def load_model(name_or_path, *, weights: str | None = None, progress=True) -> Model:
     """Load a model by name (``"smollm2"``) or from a path.
 
     Parameters
@@ -168,6 +186,11 @@ def load_model(name_or_path, *, progress=True) -> Model:
         ``"smollm2"``; a llama-architecture ``.gguf`` file; a directory written by HF
         ``save_pretrained`` of a TF causal LM (mistral-family configs become ``arch="llama"``,
         others stay opaque, ``arch="hf"``); or a ``.keras`` file (``arch="keras"``).
+    weights : {"packed", "float32"}, optional
+        How a GGUF file's weights are kept: ``"packed"`` (the default for GGUF) keeps each
+        matrix in the file's blocks (F32, F16, Q4_0, Q4_1, Q8_0), read on the workers by
+        tfnb's packed-weight ops; ``"float32"`` dequantizes everything. HF and Keras models are
+        float32 only.
     progress : bool or callable
         Show progress of long steps; a callable ``(done, total, what)`` receives it instead.
 
@@ -177,6 +200,8 @@ def load_model(name_or_path, *, progress=True) -> Model:
     >>> model.config.n_layers  # doctest: +SKIP
     30
     """
+    if weights is not None and weights not in WEIGHT_FORMATS:
+        raise ModelError(f"weights={weights!r}: expected one of {list(WEIGHT_FORMATS)}")
     report = make_reporter(progress)
     if not isinstance(name_or_path, (str, os.PathLike)):
         raise ModelError(f"model {name_or_path!r:.80}: expected a name {list(MODEL_NAMES)} or a "
@@ -195,6 +220,9 @@ def load_model(name_or_path, *, progress=True) -> Model:
             raise ModelError(f"unknown model name {text!r}: accepted names are "
                              f"{list(MODEL_NAMES)}, or a path to a .gguf file, a save_pretrained "
                              "directory or a .keras file")
+    if weights == "packed" and not (os.path.isfile(path) and _is_gguf(path)):
+        raise ModelError(f"weights='packed' for {text!r}: packed weights come from GGUF files; "
+                         "expected weights='float32' (or None) for HF and Keras models")
     if os.path.isdir(path):
         report(0, 1, "loading HF")
         hf_model, tokenizer = load_hf_dir(path)
@@ -204,10 +232,11 @@ def load_model(name_or_path, *, progress=True) -> Model:
         return Model(os.path.basename(os.path.normpath(path)), "hf", hf_model.config, tokenizer,
                      hf_model=hf_model, source=path)
     if _is_gguf(path):
-        config, weights, tokenizer, name = read_gguf(path, report)
+        config, tensors, tokenizer, name = read_gguf(path, report,
+                                                     packed=weights in (None, "packed"))
         if text.lower() in MODEL_NAMES:
             name = text.lower()
-        return Model(name, "llama", config, tokenizer, weights, source=path)
+        return Model(name, "llama", config, tokenizer, tensors, source=path)
     if path.endswith(".gguf"):
         raise ModelError(f"{text!r} is not a GGUF file (no 'GGUF' magic bytes): expected a "
                          "complete .gguf file")

@@ -118,9 +118,7 @@ def segment_functions(seg: Segment, params: dict, caches, cfg, eos_ids, pad_id) 
         _, pad_B, _ = unpack_ctl(ctl, with_tokens=False)
         h_BxTxD = _embed(x, params) if seg.has_embed else x
         for p, (ck, cv) in zip(params["blocks"], caches):
-            h_BxTxD, k, v = L.block_prefill(h_BxTxD, p, ck, cv, pad_B, cfg)
-            ck.assign(k)
-            cv.assign(v)
+            h_BxTxD = L.block_prefill(h_BxTxD, p, ck, cv, pad_B, cfg)
         if not seg.has_head:
             return h_BxTxD
         if want_logits:
@@ -132,9 +130,7 @@ def segment_functions(seg: Segment, params: dict, caches, cfg, eos_ids, pad_id) 
         slot, pad_B, tok_B = unpack_ctl(ctl, with_tokens=seg.has_embed)
         h_Bx1xD = _embed(tok_B[:, None], params) if seg.has_embed else x
         for p, (ck, cv) in zip(params["blocks"], caches):
-            h_Bx1xD, k, v = L.block_decode(h_Bx1xD, p, ck, cv, pad_B, slot, cfg)
-            ck.assign(k)
-            cv.assign(v)
+            h_Bx1xD = L.block_decode(h_Bx1xD, p, ck, cv, pad_B, slot, cfg)
         if not seg.has_head:
             return h_Bx1xD
         return head(h_Bx1xD[:, 0], slot + 1, mode, HeadIn(*head_in))

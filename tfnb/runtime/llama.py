@@ -10,7 +10,9 @@ tokens. A token in slot ``s`` has rotary position ``s - pad_B[b]`` and may atten
 every function here compiles under XLA with static shapes.
 
 Block parameters (``BlockParams``) use fused matrices: ``wqkv`` = ``[wq | wk | wv]`` (D, (H+2K)E)
-and ``w_gate_up`` = ``[w_gate | w_up]`` (D, 2F), so one block step is four matmuls.
+and ``w_gate_up`` = ``[w_gate | w_up]`` (D, 2F), so one block step is four matmuls. A matrix is
+a float32 (in, out) tensor, or a ``Packed`` one (GGUF blocks, one row per output channel) that
+``dense`` multiplies with tfnb's packed-weight op; packed code cannot be XLA-compiled.
 
 Examples
 --------
@@ -27,13 +29,28 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.compiler.tf2xla.python import xla
 
+from tfnb import kernels
+from tfnb.models.packed import fuse_rows
+
 __all__ = [
     "BlockParams", "fuse_block", "rms_norm", "rope_tables", "apply_rope", "positions",
     "prefill_mask", "decode_mask", "attention", "block_prefill", "block_decode", "embed",
-    "embed_from_columns", "logits", "next_token", "dense",
+    "embed_from_columns", "logits", "next_token", "dense", "Packed", "is_packed",
 ]
 
 _MASKED = -1e9  # finite, so a row with every slot masked (padding queries) stays NaN-free
+
+
+class Packed(NamedTuple):
+    """A packed matrix on a device: uint8 rows ``data`` (out, row bytes) of ggml type ``qtype``,
+    ``cols`` inputs each. As a kernel it maps ``cols`` inputs to ``rows`` outputs."""
+    data: object  # tf.Variable or tensor, uint8
+    qtype: int
+    cols: int
+
+
+def is_packed(w) -> bool:
+    return isinstance(w, Packed)
 
 
 class BlockParams(NamedTuple):
@@ -58,19 +75,26 @@ def fuse_block(weights: dict, i: int) -> dict[str, np.ndarray]:
     p = f"blocks.{i}."
     return {
         "attn_norm": weights[p + "attn_norm"],
-        "wqkv": np.concatenate([weights[p + "wq"], weights[p + "wk"], weights[p + "wv"]], axis=1),
+        "wqkv": fuse_rows([weights[p + "wq"], weights[p + "wk"], weights[p + "wv"]]),
         "wo": weights[p + "wo"],
         "mlp_norm": weights[p + "mlp_norm"],
-        "w_gate_up": np.concatenate([weights[p + "w_gate"], weights[p + "w_up"]], axis=1),
+        "w_gate_up": fuse_rows([weights[p + "w_gate"], weights[p + "w_up"]]),
         "w_down": weights[p + "w_down"],
     }
+
+
+def matmul(x_NxD, w_DxC):
+    """``x @ w`` for a 2-D ``x`` and a float32 or ``Packed`` kernel."""
+    if isinstance(w_DxC, Packed):
+        return kernels.packed_matmul(x_NxD, w_DxC.data, w_DxC.qtype, w_DxC.cols)
+    return tf.matmul(x_NxD, w_DxC)
 
 
 def dense(x_BxTxD, w_DxC):
     """``x @ w`` for a 3-D ``x``, as one 2-D matmul (a batched matmul would broadcast ``w``)."""
     B, T, D = x_BxTxD.shape
-    y_NxC = tf.matmul(tf.reshape(x_BxTxD, [B * T, D]), w_DxC)
-    return tf.reshape(y_NxC, [B, T, w_DxC.shape[-1]])
+    y_NxC = matmul(tf.reshape(x_BxTxD, [B * T, D]), w_DxC)
+    return tf.reshape(y_NxC, [B, T, y_NxC.shape[-1]])
 
 
 def rms_norm(x_BxTxD, gain_D, eps):
@@ -126,14 +150,19 @@ def attention(q_BxTxHxE, k_BxKxSxE, v_BxKxSxE, mask_BxTxS):
     return tf.reshape(tf.transpose(out_BxKxGxTxE, [0, 3, 1, 2, 4]), [B, T, H * E])
 
 
-def _qkv(x_BxTxD, p: BlockParams, pos_BxT, cfg):
-    """Normed input projected to rotated q (B,T,H,E) and k, v as (B,K,T,E)."""
-    B, T, _ = x_BxTxD.shape
+def _write_cache(cache_BxKxSxE, new_BxKxTxE, first_slot) -> None:
+    """Store ``new`` in cache slots ``[first_slot, first_slot + T)`` (in place under XLA)."""
+    zero = tf.zeros([], tf.int32)
+    at = tf.stack([zero, zero, tf.convert_to_tensor(first_slot, tf.int32), zero])
+    cache_BxKxSxE.assign(xla.dynamic_update_slice(cache_BxKxSxE, new_BxKxTxE, at))
+
+
+def _rope_qkv(qkv_BxTxC, pad_B, first_slot, cfg):
+    """The fused projection split into rotated q (B,T,H,E) and k, v as (B,K,T,E)."""
+    B, T, _ = qkv_BxTxC.shape
     H, K, E = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    h_BxTxD = rms_norm(x_BxTxD, p.attn_norm, cfg.norm_eps)
-    qkv_BxTxC = dense(h_BxTxD, p.wqkv)
     q, k, v = tf.split(qkv_BxTxC, [H * E, K * E, K * E], axis=-1)
-    cos_BxTxE, sin_BxTxE = rope_tables(pos_BxT, E, cfg.rope_theta)
+    cos_BxTxE, sin_BxTxE = rope_tables(positions(pad_B, first_slot, T), E, cfg.rope_theta)
     q_BxTxHxE = apply_rope(tf.reshape(q, [B, T, H, E]), cos_BxTxE, sin_BxTxE)
     k_BxTxKxE = apply_rope(tf.reshape(k, [B, T, K, E]), cos_BxTxE, sin_BxTxE)
     k_BxKxTxE = tf.transpose(k_BxTxKxE, [0, 2, 1, 3])
@@ -141,50 +170,64 @@ def _qkv(x_BxTxD, p: BlockParams, pos_BxT, cfg):
     return q_BxTxHxE, k_BxKxTxE, v_BxKxTxE
 
 
+def _add_norm(x_BxTxD, y_BxTxD, gain_D, eps):
+    """``(x + y, rms_norm(x + y))``: a residual and the next norm."""
+    x_BxTxD = x_BxTxD + y_BxTxD
+    return x_BxTxD, rms_norm(x_BxTxD, gain_D, eps)
+
+
+def _swiglu(gate_up_BxTx2F):
+    gate_BxTxF, up_BxTxF = tf.split(gate_up_BxTx2F, 2, axis=-1)
+    return tf.nn.silu(gate_BxTxF) * up_BxTxF
+
+
 def _mlp_residual(x_BxTxD, attn_BxTxHE, p: BlockParams, cfg):
-    x_BxTxD = x_BxTxD + dense(attn_BxTxHE, p.wo)
-    h_BxTxD = rms_norm(x_BxTxD, p.mlp_norm, cfg.norm_eps)
-    gate_BxTxF, up_BxTxF = tf.split(dense(h_BxTxD, p.w_gate_up), 2, axis=-1)
-    return x_BxTxD + dense(tf.nn.silu(gate_BxTxF) * up_BxTxF, p.w_down)
+    x_BxTxD, h_BxTxD = _add_norm(x_BxTxD, dense(attn_BxTxHE, p.wo), p.mlp_norm, cfg.norm_eps)
+    return x_BxTxD + dense(_swiglu(dense(h_BxTxD, p.w_gate_up)), p.w_down)
 
 
-def block_prefill(x_BxTxD, p: BlockParams, cache_k_BxKxSxE, cache_v_BxKxSxE, pad_B, cfg):
-    """One block over a whole left-padded prompt in slots ``[0, T)``.
+def block_prefill(x_BxTxD, p: BlockParams, cache_k, cache_v, pad_B, cfg):
+    """One block over a whole left-padded prompt in slots ``[0, T)``: returns its output and
+    writes slots ``[0, T)`` of the cache variables (attention itself only reads the ``T`` new
+    keys)."""
+    h_BxTxD = rms_norm(x_BxTxD, p.attn_norm, cfg.norm_eps)
+    q_BxTxHxE, k_BxKxTxE, v_BxKxTxE = _rope_qkv(dense(h_BxTxD, p.wqkv), pad_B, 0, cfg)
+    _write_cache(cache_k, k_BxKxTxE, 0)
+    _write_cache(cache_v, v_BxKxTxE, 0)
+    attn_BxTxHE = attention(q_BxTxHxE, k_BxKxTxE, v_BxKxTxE,
+                            prefill_mask(pad_B, x_BxTxD.shape[1]))
+    return _mlp_residual(x_BxTxD, attn_BxTxHE, p, cfg)
 
-    Returns ``(x_BxTxD, cache_k, cache_v)``: the block's output and the caches with slots
-    ``[0, T)`` written (attention itself only reads the ``T`` new keys).
-    """
-    T = x_BxTxD.shape[1]
-    q_BxTxHxE, k_BxKxTxE, v_BxKxTxE = _qkv(x_BxTxD, p, positions(pad_B, 0, T), cfg)
-    attn_BxTxHE = attention(q_BxTxHxE, k_BxKxTxE, v_BxKxTxE, prefill_mask(pad_B, T))
-    cache_k_BxKxSxE = xla.dynamic_update_slice(cache_k_BxKxSxE, k_BxKxTxE, [0, 0, 0, 0])
-    cache_v_BxKxSxE = xla.dynamic_update_slice(cache_v_BxKxSxE, v_BxKxTxE, [0, 0, 0, 0])
-    return _mlp_residual(x_BxTxD, attn_BxTxHE, p, cfg), cache_k_BxKxSxE, cache_v_BxKxSxE
 
-
-def block_decode(x_Bx1xD, p: BlockParams, cache_k_BxKxSxE, cache_v_BxKxSxE, pad_B, slot, cfg):
-    """One block for one new token per row, written into cache ``slot`` (an int32 scalar).
-
-    Returns ``(x_Bx1xD, cache_k, cache_v)`` with the caches updated at ``slot``.
-    """
-    S = cache_k_BxKxSxE.shape[2]
-    q_Bx1xHxE, k_BxKx1xE, v_BxKx1xE = _qkv(x_Bx1xD, p, positions(pad_B, slot, 1), cfg)
-    zero = tf.zeros([], tf.int32)
-    at_slot = tf.stack([zero, zero, slot, zero])
-    cache_k_BxKxSxE = xla.dynamic_update_slice(cache_k_BxKxSxE, k_BxKx1xE, at_slot)
-    cache_v_BxKxSxE = xla.dynamic_update_slice(cache_v_BxKxSxE, v_BxKx1xE, at_slot)
-    attn_Bx1xHE = attention(q_Bx1xHxE, cache_k_BxKxSxE, cache_v_BxKxSxE,
-                            decode_mask(pad_B, slot, S))
-    return _mlp_residual(x_Bx1xD, attn_Bx1xHE, p, cfg), cache_k_BxKxSxE, cache_v_BxKxSxE
+def block_decode(x_Bx1xD, p: BlockParams, cache_k, cache_v, pad_B, slot, cfg):
+    """One block for one new token per row: returns its output and writes the token's key and
+    value into cache ``slot`` (an int32 scalar) of the cache variables."""
+    h_Bx1xD = rms_norm(x_Bx1xD, p.attn_norm, cfg.norm_eps)
+    q_Bx1xHxE, k_BxKx1xE, v_BxKx1xE = _rope_qkv(dense(h_Bx1xD, p.wqkv), pad_B, slot, cfg)
+    _write_cache(cache_k, k_BxKx1xE, slot)
+    _write_cache(cache_v, v_BxKx1xE, slot)
+    k_BxKxSxE, v_BxKxSxE = cache_k.read_value(), cache_v.read_value()
+    attn_Bx1xHE = attention(q_Bx1xHxE, k_BxKxSxE, v_BxKxSxE,
+                            decode_mask(pad_B, slot, k_BxKxSxE.shape[2]))
+    return _mlp_residual(x_Bx1xD, attn_Bx1xHE, p, cfg)
 
 
 def embed(ids_BxT, table_VxD):
-    """Token embeddings (B, T, D)."""
+    """Token embeddings (B, T, D); a ``Packed`` table has one row per token."""
+    if isinstance(table_VxD, Packed):
+        # gather from the read value: gathering from the variable itself (ResourceGather) would
+        # switch it to copy-on-read, and every later read (the head's matmul) would copy it
+        rows_NxR = tf.gather(tf.convert_to_tensor(table_VxD.data), tf.reshape(ids_BxT, [-1]))
+        x_NxD = kernels.packed_dequantize(rows_NxR, table_VxD.qtype, table_VxD.cols)
+        return tf.reshape(x_NxD, [ids_BxT.shape[0], ids_BxT.shape[1], table_VxD.cols])
     return tf.gather(table_VxD, ids_BxT)
 
 
 def embed_from_columns(ids_BxT, table_DxV):
-    """Token embeddings (B, T, D) from a transposed table (the tied head's matrix)."""
+    """Token embeddings (B, T, D) from the tied head's matrix: a transposed float table, or the
+    packed table itself (its rows are the tokens either way)."""
+    if isinstance(table_DxV, Packed):
+        return embed(ids_BxT, table_DxV)
     return tf.transpose(tf.gather(table_DxV, ids_BxT, axis=1), [1, 2, 0])
 
 
@@ -193,7 +236,7 @@ def logits(h_BxD, final_norm_D, out_DxV, cfg):
     h_BxD = rms_norm(h_BxD, final_norm_D, cfg.norm_eps)
     if len(h_BxD.shape) == 3:
         return dense(h_BxD, out_DxV)
-    return tf.matmul(h_BxD, out_DxV)
+    return matmul(h_BxD, out_DxV)
 
 
 def next_token(logits_BxV, mode, temperature, top_k, top_p, seed_2):

@@ -26,13 +26,15 @@ import tensorflow as tf
 
 from tfnb.errors import GenerateError, PlacementError, WorkerLostError
 from tfnb.models.chain import segments, stage_names
+from tfnb.models.packed import PackedTensor
 from tfnb.runtime.devices import resolve_assignment
 from tfnb.runtime.faults import call_with_deadline
 from tfnb.runtime.graphs import Program, segment_functions
 from tfnb.runtime.requests import (GenerateOptions, GenerateRequest, make_batch, prompt_ids,
                                    with_options_signature)
 from tfnb.runtime.session import GenerateSession
-from tfnb.runtime.weights import check_weights, kv_caches, param_variables, segment_params
+from tfnb.runtime.weights import (check_packed_ops, check_weights, kv_caches, param_variables,
+                                  segment_params)
 
 __all__ = ["place_llama", "PlacedModel"]
 
@@ -137,6 +139,8 @@ class PlacedModel:
         self.eos_ids = eos
         self.pad_id = eos[0] if eos else 0
         shared: dict = {}  # device -> the tied (D, V) embedding there
+        if any(isinstance(w, PackedTensor) for w in weights.values()):
+            check_packed_ops(self.devices, timeout=timeout)
         try:  # copying a large model may take minutes; a silent worker fails it in seconds
             self.params = call_with_deadline(
                 lambda: [segment_params(config, weights, seg, head_device=self.assignment["head"],

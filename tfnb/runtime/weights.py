@@ -23,14 +23,23 @@ import tensorflow as tf
 from tfnb.errors import PlacementError
 from tfnb.models.chain import Segment, block_stage
 from tfnb.models.llama import weight_shapes
+from tfnb.models.packed import PackedTensor
 from tfnb.runtime import llama as L
 from tfnb.runtime.graphs import client_cpu
 
-__all__ = ["variable_on", "segment_params", "kv_caches", "check_weights", "param_variables"]
+__all__ = ["variable_on", "segment_params", "kv_caches", "check_weights", "param_variables",
+           "check_packed_ops"]
 
 
-def variable_on(device: str, value, name: str) -> tf.Variable:
-    """A non-trainable float32 variable on ``device`` holding ``value`` (numpy or a tensor)."""
+def variable_on(device: str, value, name: str):
+    """A non-trainable float32 variable on ``device`` holding ``value`` (numpy or a tensor);
+    for a ``PackedTensor``, an ``L.Packed`` over a uint8 variable of its blocks."""
+    if isinstance(value, PackedTensor):
+        with tf.device(client_cpu()):
+            data = tf.constant(value.data)
+        with tf.device(device):
+            var = tf.Variable(data, trainable=False, name=name.replace(".", "_"))
+        return L.Packed(var, value.qtype, value.cols)
     with tf.device(client_cpu()):
         value = tf.constant(np.asarray(value, np.float32)) if not isinstance(value, tf.Tensor) \
             else value
@@ -54,7 +63,8 @@ def segment_params(config, weights, seg: Segment, *, head_device: str, shared: d
     params: dict = {}
     if (seg.has_embed and tied and seg.device == head_device) or (seg.has_head and tied):
         if seg.device not in shared:
-            shared[seg.device] = variable_on(seg.device, weights["embed"].T, "embed_T")
+            shared[seg.device] = variable_on(seg.device, _head_matrix(weights["embed"]),
+                                             "embed_T")
         if seg.has_embed:
             params["embed_DxV"] = shared[seg.device]
         if seg.has_head:
@@ -71,6 +81,12 @@ def segment_params(config, weights, seg: Segment, *, head_device: str, shared: d
         if not tied:
             params["out_DxV"] = variable_on(seg.device, weights["lm_head"], "lm_head")
     return params
+
+
+def _head_matrix(embed):
+    """The tied head's (D, V) kernel: the float table transposed, or the packed table itself
+    (one row per token is already one row per output channel)."""
+    return embed if isinstance(embed, PackedTensor) else embed.T
 
 
 def kv_caches(seg: Segment, shape) -> list[tuple[tf.Variable, tf.Variable]]:
@@ -95,11 +111,48 @@ def check_weights(config, weights) -> None:
 
 
 def param_variables(params: list[dict]) -> list[tf.Variable]:
-    """Every weight variable of the segments' ``params``, once each, in stage order."""
+    """Every weight variable of the segments' ``params`` (packed ones: their uint8 variable),
+    once each, in stage order."""
     out: dict[int, tf.Variable] = {}
     for p in params:
         for v in [p[k] for k in ("embed_VxD", "embed_DxV") if k in p] \
                 + [v for b in p["blocks"] for v in b] \
                 + [p[k] for k in ("final_norm", "out_DxV") if k in p]:
+            v = v.data if L.is_packed(v) else v
             out.setdefault(id(v), v)
     return list(out.values())
+
+
+def check_packed_ops(devices, timeout: float | None = 60.0) -> None:
+    """PlacementError naming the first device whose process lacks tfnb's packed-weight ops
+    (``tfnb.kernels.OP_NAMES``): a plain ``tf.distribute.Server`` rather than ``tfnb worker``.
+
+    Each device runs the op once on a one-value row, under the deadline and liveness probes.
+    """
+    from tfnb import kernels
+    from tfnb.runtime.faults import call_with_deadline
+
+    try:
+        kernels.library()
+    except kernels.KernelBuildError as e:
+        raise PlacementError(f"packed weights need tfnb's ops, which did not build here: {e}; "
+                             "or load the model with weights='float32'") from None
+    with tf.device(client_cpu()):
+        one_row = tf.zeros([1, 4], tf.uint8)
+
+    def probe(device):
+        with tf.device(device):
+            return kernels.packed_dequantize(one_row, kernels.QTYPES["F32"], 1).numpy()
+
+    for device in devices:
+        try:
+            call_with_deadline(probe, (device,), timeout=timeout, devices=[device],
+                               what="checking the packed-weight ops")
+        except (tf.errors.NotFoundError, tf.errors.InvalidArgumentError) as e:
+            if not any(op in str(e) for op in kernels.OP_NAMES):
+                raise
+            raise PlacementError(
+                f"device {device} cannot run tfnb's packed-weight op {kernels.OP_NAMES[1]} "
+                "(its process did not load tfnb's kernels): start that worker with `tfnb worker`, "
+                "or load the model with weights='float32'") from None
+

@@ -1,0 +1,130 @@
+"""tfnb's TensorFlow ops for packed GGUF weights, compiled from ``packed.cc`` on first use.
+
+``TfnbPackedMatMul`` computes ``x @ dequantize(w).T`` straight from the file's blocks and
+``TfnbPackedDequantize`` turns packed rows into float32 (embedding lookups). The library is
+built against the installed TensorFlow's headers (``tf.sysconfig``) with the system's C++
+compiler into a cache directory keyed by the source, the TensorFlow version and the flags
+(``$TFNB_KERNEL_DIR``, default ``~/.cache/tfnb/kernels``); ``scripts/setup`` builds it once.
+The client loads it to build graphs and every ``tfnb worker`` loads it to run them.
+
+Examples
+--------
+>>> import numpy as np
+>>> row_bytes(QTYPES["Q4_1"], 64)
+40
+>>> w = np.zeros((3, 64), np.float32)
+>>> packed_matmul(np.ones((2, 64), np.float32), w.view(np.uint8).reshape(3, -1), 0, 64).shape
+TensorShape([2, 3])
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+
+__all__ = ["QTYPES", "row_bytes", "library", "build", "packed_matmul", "packed_dequantize",
+           "OP_NAMES", "KernelBuildError"]
+
+# ggml type ids the kernels read, by GGUF name
+QTYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+OP_NAMES = ("TfnbPackedMatMul", "TfnbPackedDequantize")
+_BLOCK_BYTES = {2: 18, 3: 20, 8: 34}   # bytes per block of 32 values
+_SOURCE = os.path.join(os.path.dirname(__file__), "packed.cc")
+_lock = threading.Lock()
+_loaded = None
+
+
+class KernelBuildError(RuntimeError):
+    """The packed-weight ops could not be compiled (no compiler, or it failed)."""
+
+
+def row_bytes(qtype: int, cols: int) -> int:
+    """Bytes of one packed row of ``cols`` values of ggml type ``qtype``."""
+    if qtype == 0:
+        return 4 * cols
+    if qtype == 1:
+        return 2 * cols
+    if qtype not in _BLOCK_BYTES or cols % 32:
+        names = {v: k for k, v in QTYPES.items()}
+        raise ValueError(f"qtype={names.get(qtype, qtype)!r} with {cols} columns: expected one "
+                         f"of {list(QTYPES)} and, for block types, a multiple of 32 columns")
+    return cols // 32 * _BLOCK_BYTES[qtype]
+
+
+def _flags() -> list[str]:
+    import tensorflow as tf
+    include = tf.sysconfig.get_include()
+    # XLA's headers (for the custom calls inside compiled segments) include third-party
+    # headers that the wheel ships under include/external, and XLA's symbols live in
+    # libtensorflow_cc
+    return ["-O3", "-fPIC", "-shared", "-w", *tf.sysconfig.get_compile_flags(),
+            f"-I{include}/external/highwayhash", f"-I{include}/external/farmhash_archive/src",
+            *tf.sysconfig.get_link_flags(), "-l:libtensorflow_cc.so.2"]
+
+
+def _library_path() -> str:
+    import tensorflow as tf
+    with open(_SOURCE, "rb") as f:
+        key = hashlib.sha256(f.read() + tf.__version__.encode()
+                             + " ".join(_flags()).encode()).hexdigest()[:16]
+    root = os.environ.get("TFNB_KERNEL_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "tfnb", "kernels")
+    return os.path.join(root, f"tfnb_packed_{key}.so")
+
+
+def build(force: bool = False) -> str:
+    """Compile ``packed.cc`` (unless a build for this source and TensorFlow exists); its path.
+
+    Raises ``KernelBuildError`` naming the compiler's complaint.
+    """
+    path = _library_path()
+    if os.path.exists(path) and not force:
+        return path
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        raise KernelBuildError("no C++ compiler (g++ or $CXX) to build tfnb's packed-weight "
+                               "ops: install g++, or load models with weights='float32'")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
+    os.close(fd)
+    try:
+        done = subprocess.run([cxx, _SOURCE, "-o", tmp, *_flags()], capture_output=True,
+                              text=True, timeout=600)
+        if done.returncode:
+            errors = [line for line in done.stderr.splitlines() if "error" in line]
+            raise KernelBuildError(f"building {_SOURCE} with {cxx} failed: "
+                                   + "\n".join(errors[:5] or done.stderr.splitlines()[-5:]))
+        os.replace(tmp, path)  # atomic: a concurrent builder or loader sees all or nothing
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def library():
+    """The loaded op library (built first if needed), once per process."""
+    global _loaded
+    with _lock:
+        if _loaded is None:
+            import ctypes
+
+            import tensorflow as tf
+            path = build()
+            library = tf.load_op_library(path)
+            ctypes.CDLL(path).tfnb_register_xla_kernels()  # the same loaded copy; see packed.cc
+            _loaded = library
+        return _loaded
+
+
+def packed_matmul(x_NxC, w_MxR, qtype: int, cols: int):
+    """``x @ dequantize(w).T``: float32 ``(N, M)`` from ``x`` (N, cols) and packed rows."""
+    return library().tfnb_packed_mat_mul(x_NxC, w_MxR, qtype=qtype, cols=cols)
+
+
+def packed_dequantize(w_MxR, qtype: int, cols: int):
+    """float32 ``(M, cols)`` values of packed rows."""
+    return library().tfnb_packed_dequantize(w_MxR, qtype=qtype, cols=cols)

@@ -1,0 +1,7 @@
+"""``python -m tfnb.kernels [--force]``: build the packed-weight ops once (``scripts/setup`` does)."""
+
+import sys
+
+from tfnb.kernels import build
+
+print(build(force="--force" in sys.argv))
