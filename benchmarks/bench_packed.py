@@ -31,7 +31,7 @@ PROMPT = list(range(100, 120))
 TOPOLOGIES = {  # name -> (LocalCluster cpus, cap per worker that forces a split, per weights)
     "1 worker, 2 cores": (None, None),
     "1 worker, 1 core": (["0"], None),
-    "2 workers, 1 core each, split": (["0", "1"], {"packed": "70MB", "float32": "400MB"}),
+    "2 workers, 1 core each, split": (["0", "1"], {"packed": "100MB", "float32": "400MB"}),
 }
 
 
@@ -155,11 +155,12 @@ def write_random_gguf(path: str, shape: dict, qtype: str = "Q4_0", seed: int = 0
     w.add_rope_freq_base(shape["rope_theta"])
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(shape["vocab_size"])
-    tokens = ["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(shape["vocab_size"] - 3)]
+    tokens = ["<unk>", "<s>", "</s>", "a", "b", "ab"]
+    tokens += [f"t{i}" for i in range(shape["vocab_size"] - len(tokens))]
     w.add_tokenizer_model("gpt2")
     w.add_token_list(tokens)
     w.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
-    w.add_token_merges(["t 0"])
+    w.add_token_merges(["a b"])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
 
@@ -243,7 +244,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--new", type=int, default=48)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--skip", nargs="*", default=[], choices=["llama.cpp", "hf", "scale"])
+    ap.add_argument("--skip", nargs="*", default=[], choices=["tfnb", "llama.cpp", "hf", "scale"])
+    ap.add_argument("--append", action="store_true",
+                    help="add to the rows of benchmarks/results/packed.json instead of replacing")
     ap.add_argument("--scale-float32", action="store_true",
                     help="also run the TinyLlama-shaped model as float32 (about 4.4 GB)")
     args = ap.parse_args()
@@ -256,7 +259,15 @@ def main() -> None:
     warnings.simplefilter("ignore", ExposedServerWarning)
     models = {"packed": tfnb.load_model("smollm2", progress=False),
               "float32": tfnb.load_model("smollm2", weights="float32", progress=False)}
-    rows = bench_tfnb(models, args.new, args.repeat)
+    rows = []
+    if args.append:
+        import json
+
+        from benchmarks._results import RESULTS
+        with open(os.path.join(RESULTS, "packed.json")) as f:
+            rows = json.load(f)["rows"]
+    if "tfnb" not in args.skip:
+        rows += bench_tfnb(models, args.new, args.repeat)
     if "hf" not in args.skip:
         rows += bench_hf(models["float32"], args.new, args.repeat)
     if "llama.cpp" not in args.skip:

@@ -126,7 +126,7 @@ def main(argv=None) -> dict:
 
     cluster = tfnb.local(2)
     try:
-        model = tfnb.load_model("smollm2", progress=False)
+        model = tfnb.load_model("smollm2", weights="float32", progress=False)  # 400 MB splits
         placed = tfnb.place(model, tfnb.plan(model, cluster, max_memory="400MB"), cluster)
         placed.eos_ids = ()  # every call makes all `new` tokens
         prompt_ids = model.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}])

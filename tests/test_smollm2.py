@@ -29,7 +29,7 @@ def test_greedy_tokens_match_hf_on_one_and_two_workers(smollm2, local_workers):
     want = want[0, len(ids):].numpy().tolist()
     del hf
     assert smollm2.packed
-    two = tfnb.place(smollm2, tfnb.plan(smollm2, cluster, max_memory="70MB"), cluster)
+    two = tfnb.place(smollm2, tfnb.plan(smollm2, cluster, max_memory="100MB"), cluster)
     assert len(set(two.assignment.values())) == 2
     held = sum(int(np.prod(v.shape)) * v.dtype.size for v in two.variables)
     assert held < 130e6  # packed: 92 MB plus the tied embedding on both ends (float32: 538 MB)

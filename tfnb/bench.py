@@ -96,7 +96,7 @@ def run_one(config: str, new_tokens: int = 48, repeat: int = 2, model_name: str 
         cluster = tfnb.local(1 if config == "tfnb-1" else 2)
     try:
         if config.startswith("tfnb"):
-            split = {"max_memory": "70MB"} if config == "tfnb-2" else {}  # force both workers
+            split = {"max_memory": "100MB"} if config == "tfnb-2" else {}  # force both workers
             placed = tfnb.place(model, tfnb.plan(model, cluster, **split), cluster)
             placed.eos_ids = ()  # every configuration generates exactly new_tokens tokens
             make = lambda n: (lambda: placed.generate_ids(ids, max_new_tokens=n))  # noqa: E731

@@ -53,7 +53,7 @@ def run_demo(out_dir: str = "demo-output", notebook: str | None = "notebooks/01-
         else:
             t = _step("loading SmolLM2-135M-Instruct from its package (no network)")
             model = tfnb.load_model("smollm2")
-            cap = "70MB"
+            cap = "100MB"
         print(model, f"({time.perf_counter() - t:.1f} s)")
         t = _step("planning: measuring the cluster, then the optimal split"
                   + (f" under a {cap} cap per worker" if cap else ""))

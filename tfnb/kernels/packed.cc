@@ -8,17 +8,16 @@
 // The multiply dequantizes one block of 32 weights into registers and multiplies it with the
 // float32 activations, so results equal the float32 path up to summation order. (Quantizing the
 // activations to int8 blocks as llama.cpp does made SmolLM2's matmuls about 1.3x faster here
-// but moved every output by about 0.5%; not taken.) Rows are sharded over the worker's intra-op threads. AVX2+FMA+F16C code is
-// chosen at run time when the CPU has it; otherwise portable C++ runs.
+// but moved every output by about 0.5%; not taken.) Rows are sharded over the process's
+// intra-op threads. AVX2+FMA+F16C code is chosen at run time when the CPU has it; otherwise
+// portable C++ runs.
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <functional>
-#include <vector>
+#include <thread>
 
-#define EIGEN_USE_THREADS
-#include "unsupported/Eigen/CXX11/ThreadPool"
 #include "tensorflow/compiler/tf2xla/xla_op_kernel.h"
 #include "tensorflow/compiler/tf2xla/xla_op_registry.h"
 #include "tensorflow/core/framework/op.h"
@@ -337,40 +336,33 @@ class PackedDequantizeOp : public OpKernel {
 // ---- inside XLA: the same kernels as custom calls ----------------------------------------
 // A segment that holds packed weights stays one XLA computation: XLA compiles the norms,
 // rotary embedding and attention around `tfnb_packed_matmul` / `tfnb_packed_dequantize` calls.
-// They are typed-FFI handlers (the API XLA:CPU runs) with the qtype and width as attributes;
-// rows are sharded over a pool with one thread per CPU this process may use.
-
-Eigen::ThreadPool& Pool() {
-  static Eigen::ThreadPool* pool = [] {
-    cpu_set_t set;
-    int n = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
-    return new Eigen::ThreadPool(std::max(1, n));
-  }();
-  return *pool;
-}
-
-void ParallelRows(int64_t M, int64_t cost_per_row, const std::function<void(int64_t, int64_t)>& fn) {
-  Eigen::ThreadPool& pool = Pool();
-  const int threads = pool.NumThreads();
-  if (threads <= 1 || M * cost_per_row < 200000) {
-    fn(0, M);
-    return;
-  }
-  const int64_t shards = std::min<int64_t>(threads, M);
-  Eigen::Barrier barrier(static_cast<unsigned>(shards - 1));
-  for (int64_t s = 1; s < shards; ++s) {
-    pool.Schedule([&, s] {
-      fn(M * s / shards, M * (s + 1) / shards);
-      barrier.Notify();
-    });
-  }
-  fn(0, M / shards);
-  barrier.Wait();
-}
+// They are typed-FFI handlers (the API XLA:CPU runs) with the qtype and width as attributes.
 
 namespace ffi = xla::ffi;
 
-ffi::Error PackedMatMulFfi(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+// fn(m0, m1) over [0, M) on XLA's own intra-op pool, the calling thread taking the first share.
+// (A pool of our own beside XLA's made a 2-core worker slower than a 1-core one: the two pools'
+// threads competed for the cores on every one of the ~120 calls per token.)
+template <typename Fn>
+void ParallelRows(ffi::ThreadPool& pool, int64_t M, int64_t cost_per_row, const Fn& fn) {
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t shards = std::min<int64_t>(threads, M);
+  if (shards <= 1 || M * cost_per_row < 200000) {
+    fn(0, M);
+    return;
+  }
+  std::atomic<int64_t> pending(shards - 1);
+  for (int64_t s = 1; s < shards; ++s) {
+    pool.Schedule([&, s] {
+      fn(M * s / shards, M * (s + 1) / shards);
+      pending.fetch_sub(1, std::memory_order_release);
+    });
+  }
+  fn(0, M / shards);
+  while (pending.load(std::memory_order_acquire) > 0) std::this_thread::yield();
+}
+
+ffi::Error PackedMatMulFfi(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
                            ffi::ResultBuffer<ffi::F32> y, int64_t qtype, int64_t cols) {
   const int64_t N = x.dimensions()[0], M = w.dimensions()[0];
   const int64_t rb = RowBytes(static_cast<int>(qtype), cols);
@@ -378,7 +370,7 @@ ffi::Error PackedMatMulFfi(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
   const uint8_t* wp = w.typed_data();
   float* yp = y->typed_data();
   PackedMatMul(static_cast<int>(qtype), wp, rb, cols, xp, N, yp, M, [&](auto&& fn) {
-    ParallelRows(M, N * cols, fn);
+    ParallelRows(pool, M, N * cols, fn);
   });
   return ffi::Error::Success();
 }
@@ -394,6 +386,7 @@ ffi::Error PackedDequantizeFfi(ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F3
 
 XLA_FFI_DEFINE_HANDLER(kPackedMatMul, PackedMatMulFfi,
                        ffi::Ffi::Bind()
+                           .Ctx<ffi::ThreadPool>()
                            .Arg<ffi::Buffer<ffi::F32>>()
                            .Arg<ffi::Buffer<ffi::U8>>()
                            .Ret<ffi::Buffer<ffi::F32>>()
