@@ -66,7 +66,7 @@ def test_an_extra_block_is_named(tmp_path, monkeypatch):
 @pytest.mark.parametrize("old, new", [
     ("blk.1.attn_q.weight", "blk.one.attn_q.weight"),   # index not a number
     ("blk.0.ffn_up.weight", "blk.0.ffn_upp.weight"),    # unknown tensor kind
-    ("blk.0.attn_k.weight", "blk.0.attn_k.bias"),
+    ("blk.0.attn_k.weight", "blk.0.attn_k.scale"),      # unknown suffix
 ])
 def test_a_misnamed_block_tensor_is_named(tmp_path, monkeypatch, old, new):
     path = _write(tmp_path / "renamed.gguf", monkeypatch, rename={old: new})

@@ -147,6 +147,7 @@ class LocalCluster:
         return ready
 
     def _start(self) -> None:
+        _build_packed_ops()
         self.procs = [self._spawn(task) for task in range(len(self.spec.addresses))]
         ready = self._await_ready(list(range(len(self.procs))))
         self.info = [ready[i] for i in range(len(self.procs))]
@@ -258,6 +259,18 @@ def _drain(stream) -> None:
         for _ in stream:
             pass
     except (OSError, ValueError):  # closed by close() or restart()
+        pass
+
+
+def _build_packed_ops() -> None:
+    """Build tfnb's packed-weight ops once here, before the workers load them: N workers
+    building at once would each take the compile time (tens of seconds) out of their start-up
+    deadline. Without a compiler the workers say so themselves."""
+    from tfnb import kernels
+
+    try:
+        kernels.build()
+    except kernels.KernelBuildError:
         pass
 
 
