@@ -7,7 +7,7 @@ import tfnb
 from tfnb.errors import ModelError
 from tfnb.models import llama
 
-from tests.test_models import write_llama_gguf
+from tests.test_models import add_tiny_metadata, write_llama_gguf
 
 gguf = pytest.importorskip("gguf")
 from gguf.quants import quantize  # noqa: E402
@@ -55,23 +55,7 @@ def write_qwen2_gguf(path, config, weights, qtype="F32"):
     """A qwen2 GGUF as llama.cpp's converter lays it out: (out, in) matrices, q/k rows in HF's
     order (qwen2 uses rotate-half rotary, so nothing is permuted), q/k/v biases."""
     writer = gguf.GGUFWriter(str(path), "qwen2")
-    writer.add_name("tiny-qwen2")
-    writer.add_block_count(config.n_layers)
-    writer.add_context_length(config.max_context)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.ffn_size)
-    writer.add_head_count(config.n_heads)
-    writer.add_head_count_kv(config.n_kv_heads)
-    writer.add_rope_freq_base(config.rope_theta)
-    writer.add_layer_norm_rms_eps(config.norm_eps)
-    tokens = ["<unk>", "<s>", "</s>"] + [chr(c) for c in range(33, 33 + config.vocab_size - 4)]
-    tokens.append("ab")  # the one merge's result
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
-    writer.add_token_merges(["a b"])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    add_tiny_metadata(writer, config, "tiny-qwen2")
     qt = gguf.GGMLQuantizationType[qtype]
 
     def matrix(name, w_RxC):

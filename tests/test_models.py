@@ -20,20 +20,10 @@ FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 # ---------------------------------------------------------------- helpers
 
 
-def write_llama_gguf(path, config, weights, arch="llama"):
-    """Write canonical weights as an F32 GGUF the way llama.cpp's converter lays them out.
-
-    Written independently of tfnb's reader: (in, out) -> (out, in), and q/k rows permuted per
-    head with llama.cpp's formula (HF halves -> interleaved pairs).
-    """
-    import gguf
-
-    def permute(w_RxC, n_head):
-        return (w_RxC.reshape(n_head, 2, w_RxC.shape[0] // n_head // 2, w_RxC.shape[1])
-                .swapaxes(1, 2).reshape(w_RxC.shape))
-
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_name("tiny-gguf")
+def add_tiny_metadata(writer, config, name):
+    """The hyper-parameters of ``config`` and a tiny GPT-2 style tokenizer (one merge), as
+    llama.cpp's converter writes them."""
+    writer.add_name(name)
     writer.add_block_count(config.n_layers)
     writer.add_context_length(config.max_context)
     writer.add_embedding_length(config.hidden_size)
@@ -54,6 +44,22 @@ def write_llama_gguf(path, config, weights, arch="llama"):
     writer.add_eos_token_id(2)
     writer.add_chat_template("{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}"
                              "{% if add_generation_prompt %}<s>{% endif %}")
+
+
+def write_llama_gguf(path, config, weights, arch="llama"):
+    """Write canonical weights as an F32 GGUF the way llama.cpp's converter lays them out.
+
+    Written independently of tfnb's reader: (in, out) -> (out, in), and q/k rows permuted per
+    head with llama.cpp's formula (HF halves -> interleaved pairs).
+    """
+    import gguf
+
+    def permute(w_RxC, n_head):
+        return (w_RxC.reshape(n_head, 2, w_RxC.shape[0] // n_head // 2, w_RxC.shape[1])
+                .swapaxes(1, 2).reshape(w_RxC.shape))
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    add_tiny_metadata(writer, config, "tiny-gguf")
     writer.add_tensor("token_embd.weight", weights["embed"])
     gguf_names = {"attn_norm": "attn_norm", "wq": "attn_q", "wk": "attn_k", "wv": "attn_v",
                   "wo": "attn_output", "mlp_norm": "ffn_norm", "w_gate": "ffn_gate",
