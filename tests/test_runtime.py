@@ -249,7 +249,7 @@ def test_a_hung_call_raises_worker_lost_within_the_timeout(model, monkeypatch):
     pm.compile_timeout = None  # a first call may compile for longer; this one is not new
     from tfnb.runtime.graphs import Program
 
-    monkeypatch.setattr(Program, "generate_fn", lambda *a: (lambda *args: time.sleep(3)))
+    monkeypatch.setattr(Program, "prefill_fn", lambda *a: (lambda *args: time.sleep(3)))
     start = time.perf_counter()
     with pytest.raises(WorkerLostError, match=r"no answer within 0.3 s.*CPU:0.*CPU:1"):
         pm.generate("Hello", max_new_tokens=4)
@@ -292,6 +292,6 @@ def test_a_failing_worker_raises_worker_lost_naming_it(model, monkeypatch):
 
     from tfnb.runtime.graphs import Program
 
-    monkeypatch.setattr(Program, "generate_fn", lambda *a: fail)
+    monkeypatch.setattr(Program, "prefill_fn", lambda *a: fail)
     with pytest.raises(WorkerLostError, match=r"\['/job:worker/replica:0/task:1/device:CPU:0'\]"):
         pm.generate("Hello", max_new_tokens=4)

@@ -3,16 +3,19 @@
 A *segment* (:class:`tfnb.models.chain.Segment`, the type plans show too) is a run of
 consecutive stages on one device. Each segment has two XLA-compiled
 functions over its weights and KV caches (:class:`SegmentFns`): ``prefill(x, ctl, mode,
-head_in)`` and ``decode(x, ctl, mode, head_in)``. Their arguments are packed to keep the tensors
-crossing devices per step few:
+head_in)`` and ``decode(x, ctl, mode, head_in, window=None)``. Their arguments are packed to keep
+the tensors crossing devices per step few:
 
-- ``ctl`` (int32) is ``[slot, pad_0 .. pad_{B-1}]`` (:func:`pack_ctl`); the decode step of the
-  embedding's segment gets the tokens appended, ``[slot, pad.., token..]``, instead of ``x``;
+- a decode's ``ctl`` (int32) is ``[slot, pad_0 .. pad_{B-1}]`` (:func:`pack_ctl`); the decode
+  step of the embedding's segment gets the tokens appended, ``[slot, pad.., token..]``, instead
+  of ``x``. A prefill's is ``[first_slot, pad.., first_row]`` (:func:`pack_prefill_ctl`): a
+  prompt may join cache rows that are already decoding (continuous batching,
+  :mod:`tfnb.runtime.scheduler`);
 - only the head's segment gets ``head_in`` (:class:`HeadIn`) and a sampling ``mode``, and returns
   ``(next_token_B, done_B)``; the others return the hidden state.
 
 :func:`run_segments` is the one entry that calls every segment in order under its device; the
-generate graph (:func:`generate_function`), the logits graph (:func:`logits_function`) and the
+prefill and decode graphs (:func:`prefill_function`, :func:`decode_function`), the logits graph (:func:`logits_function`) and the
 calibration loops (:mod:`tfnb.runtime.calibrate`) all go through it or through
 :func:`segment_functions`. A :class:`Program` holds the functions bound to one set of caches.
 
@@ -34,8 +37,9 @@ from tensorflow.python.eager import context
 from tfnb.models.chain import Segment
 from tfnb.runtime import llama as L
 
-__all__ = ["HeadIn", "SegmentFns", "pack_ctl", "with_tokens", "unpack_ctl",
-           "segment_functions", "run_segments", "generate_function", "logits_function",
+__all__ = ["HeadIn", "SegmentFns", "pack_ctl", "pack_prefill_ctl", "with_tokens", "unpack_ctl",
+           "segment_functions", "run_segments", "prefill_function", "decode_function",
+           "shift_function", "logits_function",
            "OnDevice", "Program", "client_cpu"]
 
 
@@ -44,7 +48,8 @@ class _QuietRetracing(logging.Filter):
     each calibration loop) are separate tf.function objects traced once, which TF's detector
     mistakes for retracing."""
 
-    OURS = ("generate_function", "segment_functions", "logits_function", "timed_loop")
+    OURS = ("prefill_function", "decode_function", "shift_function", "segment_functions",
+            "logits_function", "timed_loop")
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg = record.getMessage()
@@ -56,14 +61,15 @@ tf.get_logger().addFilter(_QuietRetracing())
 
 
 class HeadIn(NamedTuple):
-    """What the head's segment needs besides the hidden state."""
-    done_B: tf.Tensor    # bool: rows already finished (they emit padding)
-    floats_2: tf.Tensor  # [temperature, top_p]
-    ints_2: tf.Tensor    # [top_k, seed]
+    """What the head's segment needs besides the hidden state, per row."""
+    done_B: tf.Tensor     # bool: rows already finished (they emit padding)
+    floats_Bx2: tf.Tensor  # [temperature (0: greedy), top_p]
+    ints_Bx2: tf.Tensor    # [top_k, seed]
 
     @classmethod
     def greedy(cls, B: int) -> "HeadIn":
-        return cls(tf.zeros([B], tf.bool), tf.constant([1.0, 1.0]), tf.constant([0, 0]))
+        return cls(tf.zeros([B], tf.bool), tf.tile([[0.0, 1.0]], [B, 1]),
+                   tf.zeros([B, 2], tf.int32))
 
 
 class SegmentFns(NamedTuple):
@@ -76,6 +82,13 @@ def pack_ctl(slot, pad_B, tok_B=None):
     """``[slot, pad_0 .. pad_{B-1}]`` (int32), with ``tok_B`` appended when given."""
     ctl = tf.concat([tf.convert_to_tensor(slot, tf.int32)[None], pad_B], axis=0)
     return ctl if tok_B is None else with_tokens(ctl, tok_B)
+
+
+def pack_prefill_ctl(first_slot, first_row, pad_B):
+    """A prefill's ``[first_slot, pad_0 .. pad_{B-1}, first_row]``: where in the caches the
+    prompt's keys go (``pad_B`` counts each prompt's own left padding)."""
+    return tf.concat([pack_ctl(first_slot, pad_B),
+                      tf.convert_to_tensor(first_row, tf.int32)[None]], axis=0)
 
 
 def with_tokens(ctl, tok_B):
@@ -105,48 +118,50 @@ def segment_functions(seg: Segment, params: dict, caches, cfg, eos_ids, pad_id) 
     """
     eos_E = tf.constant(list(eos_ids) or [-1], tf.int32)
 
-    def head(h_BxD, slot, mode, head_in: HeadIn):
-        done_B, floats_2, ints_2 = head_in
+    def head(h_BxD, pos_B, mode, head_in: HeadIn):
+        done_B, floats_Bx2, ints_Bx2 = head_in
         logits_BxV = L.logits(h_BxD, params["final_norm"], params["out_DxV"], cfg)
-        seed_2 = tf.stack([ints_2[1], slot])
-        tok_B = L.next_token(logits_BxV, mode, floats_2[0], ints_2[0], floats_2[1], seed_2)
+        seeds_Bx2 = tf.stack([ints_Bx2[:, 1], pos_B], axis=1)  # the token's position
+        tok_B = L.next_token(logits_BxV, mode, floats_Bx2[:, 0], ints_Bx2[:, 0],
+                             floats_Bx2[:, 1], seeds_Bx2)
         tok_B = tf.where(done_B, tf.constant(pad_id, tf.int32), tok_B)
         done_B = done_B | tf.reduce_any(tok_B[:, None] == eos_E[None, :], axis=-1)
         return tok_B, done_B
 
     def prefill(x, ctl, mode, head_in, want_logits=False):
-        _, pad_B, _ = unpack_ctl(ctl, with_tokens=False)
+        first_slot, pad_B, first_row = ctl[0], ctl[1:-1], ctl[-1]  # pack_prefill_ctl
         h_BxTxD = _embed(x, params) if seg.has_embed else x
         for p, (ck, cv) in zip(params["blocks"], caches):
-            h_BxTxD = L.block_prefill(h_BxTxD, p, ck, cv, pad_B, cfg)
+            h_BxTxD = L.block_prefill(h_BxTxD, p, ck, cv, pad_B, cfg, first_slot, first_row)
         if not seg.has_head:
             return h_BxTxD
         if want_logits:
             return L.logits(h_BxTxD, params["final_norm"], params["out_DxV"], cfg)
         T = h_BxTxD.shape[1]
-        return head(h_BxTxD[:, -1], tf.constant(T, tf.int32), mode, HeadIn(*head_in))
+        return head(h_BxTxD[:, -1], T - pad_B, mode, HeadIn(*head_in))
 
-    def decode(x, ctl, mode, head_in):
+    def decode(x, ctl, mode, head_in, window=None):
         slot, pad_B, tok_B = unpack_ctl(ctl, with_tokens=seg.has_embed)
         h_Bx1xD = _embed(tok_B[:, None], params) if seg.has_embed else x
         for p, (ck, cv) in zip(params["blocks"], caches):
-            h_Bx1xD = L.block_decode(h_Bx1xD, p, ck, cv, pad_B, slot, cfg)
+            h_Bx1xD = L.block_decode(h_Bx1xD, p, ck, cv, pad_B, slot, cfg, window)
         if not seg.has_head:
             return h_Bx1xD
-        return head(h_Bx1xD[:, 0], slot + 1, mode, HeadIn(*head_in))
+        return head(h_Bx1xD[:, 0], slot + 1 - pad_B, mode, HeadIn(*head_in))
 
     return SegmentFns(tf.function(prefill, jit_compile=True, reduce_retracing=False),
                       tf.function(decode, jit_compile=True, reduce_retracing=False))
 
 
-def run_segments(segs, fns, which: str, x, pad_B, slot, head_in: HeadIn, mode: str,
-                 want_logits: bool = False):
+def run_segments(segs, fns, which: str, x, ctl, head_in: HeadIn, mode: str,
+                 want_logits: bool = False, window: int | None = None):
     """Every segment in order, each under its device: ``which`` is "prefill" or "decode".
 
-    ``x`` is the prompt ids (B, P) for prefill and the last tokens (B,) for decode; returns the
-    head's ``(next_token_B, done_B)`` (or the logits with ``want_logits``).
+    ``x`` is the prompt ids (B, P) for prefill and the last tokens (B,) for decode, ``ctl``
+    :func:`pack_prefill_ctl`'s or :func:`pack_ctl`'s encoding (made once, on the caller's
+    device; each segment receives it); returns the head's ``(next_token_B, done_B)`` (or the
+    logits with ``want_logits``).
     """
-    ctl = pack_ctl(slot, pad_B)  # once, on the caller's device; each segment receives it
     for seg, seg_fns in zip(segs, fns):
         # only the head depends on the sampling mode: the others compile once for all
         seg_head_in, seg_mode = (tuple(head_in), mode) if seg.has_head else (None, None)
@@ -158,17 +173,33 @@ def run_segments(segs, fns, which: str, x, pad_B, slot, head_in: HeadIn, mode: s
                 x = seg_fns.prefill(seg_x, seg_ctl, seg_mode, seg_head_in,
                                     **({"want_logits": True} if want_logits else {}))
             else:
-                x = seg_fns.decode(seg_x, seg_ctl, seg_mode, seg_head_in)
+                x = seg_fns.decode(seg_x, seg_ctl, seg_mode, seg_head_in,
+                                   **({"window": window} if window else {}))
     return x
 
 
-def generate_function(segs, fns, P: int | None, mode: str, S: int, fused: bool) -> "OnDevice":
-    """One multi-device graph: (prefill if ``P``), then up to ``n_steps`` decode steps.
+def prefill_function(segs, fns, mode: str) -> "OnDevice":
+    """``f(ids_BxP, pad_B, first_slot, first_row, done_B, floats_Bx2, ints_Bx2)``: the prompts'
+    keys into cache rows ``[first_row, first_row + B)`` at slots ``[first_slot, first_slot +
+    P)``; returns the first new token per row and ``done_B``."""
+    @tf.function
+    def run(ids_BxP, pad_B, first_slot, first_row, done_B, floats_Bx2, ints_Bx2):
+        return run_segments(segs, fns, "prefill", ids_BxP,
+                            pack_prefill_ctl(first_slot, first_row, pad_B),
+                            HeadIn(done_B, floats_Bx2, ints_Bx2), mode)
+    return OnDevice(run, segs[-1].device)
 
-    Called as ``f(x, pad_B, slot, done_B, n_steps, temperature, top_k, top_p, seed)``; returns
-    ``(tokens_NxB, steps, slot, last_tok_B, done_B)``. With a single segment and ``fused`` the
-    whole function, loop included, is one XLA computation (as HF's XLA generate); otherwise a
-    ``tf.while_loop`` calls each segment's XLA function on its device.
+
+def decode_function(segs, fns, mode: str, S: int, window: int | None,
+                    fused: bool) -> "OnDevice":
+    """One multi-device graph of up to ``n_steps`` decode steps for the caches' first ``B``
+    rows, attention reading the first ``window`` slots.
+
+    Called as ``f(tok_B, pad_B, slot, done_B, n_steps, floats_Bx2, ints_Bx2)`` (``tok_B`` the
+    last tokens, to be written at ``slot``); returns ``(tokens_NxB, steps, slot, last_tok_B,
+    done_B)``. With a single segment and ``fused`` the whole loop is one XLA computation (as
+    HF's XLA generate); otherwise a ``tf.while_loop`` calls each segment's XLA function on its
+    device.
     """
     fused = fused and len(segs) == 1
     # The loop and its state live on the head's device (the last segment): per step, only
@@ -176,28 +207,14 @@ def generate_function(segs, fns, P: int | None, mode: str, S: int, fused: bool) 
     # is not involved until the chunk ends.
     loop_device = segs[-1].device
 
-    def run(x, pad_B, slot, done_B, n_steps, temperature, top_k, top_p, seed):
+    def run(tok_B, pad_B, slot, done_B, n_steps, floats_Bx2, ints_Bx2):
       with tf.device(loop_device):
-        floats_2, ints_2 = tf.stack([temperature, top_p]), tf.stack([top_k, seed])
-        pad_B, n_steps, done_B, slot = (tf.identity(t) for t in (pad_B, n_steps, done_B, slot))
+        pad_B, n_steps, done_B, slot, tok_B = (tf.identity(t) for t in
+                                               (pad_B, n_steps, done_B, slot, tok_B))
         B = pad_B.shape[0]
         # new tokens, one row per step: a fixed buffer inside XLA, else a TensorArray
         tokens = (tf.zeros([S, B], tf.int32) if fused else
                   tf.TensorArray(tf.int32, size=n_steps, element_shape=pad_B.shape))
-
-        def write(tokens, i, tok_B):
-            if fused:
-                return xla.dynamic_update_slice(tokens, tok_B[None], tf.stack([i, 0]))
-            return tokens.write(i, tok_B)
-
-        i = tf.constant(0)
-        if P is not None:  # x: prompt ids (B, P); the first token comes from prefill
-            tok_B, done_B = run_segments(segs, fns, "prefill", x, pad_B, slot,
-                                         HeadIn(done_B, floats_2, ints_2), mode)
-            tokens = write(tokens, i, tok_B)
-            i, slot = i + 1, tf.constant(P, tf.int32)
-        else:              # x: the last token (B,), to be written at ``slot``
-            tok_B = tf.identity(x)
 
         def cond(i, slot, tok_B, done_B, tokens):
             with tf.device(loop_device):
@@ -205,12 +222,15 @@ def generate_function(segs, fns, P: int | None, mode: str, S: int, fused: bool) 
 
         def body(i, slot, tok_B, done_B, tokens):
             with tf.device(loop_device):
-                tok_B, done_B = run_segments(segs, fns, "decode", tok_B, pad_B, slot,
-                                             HeadIn(done_B, floats_2, ints_2), mode)
-                return i + 1, slot + 1, tok_B, done_B, write(tokens, i, tok_B)
+                tok_B, done_B = run_segments(segs, fns, "decode", tok_B, pack_ctl(slot, pad_B),
+                                             HeadIn(done_B, floats_Bx2, ints_Bx2), mode,
+                                             window=window)
+                tokens = (xla.dynamic_update_slice(tokens, tok_B[None], tf.stack([i, 0]))
+                          if fused else tokens.write(i, tok_B))
+                return i + 1, slot + 1, tok_B, done_B, tokens
 
         i, slot, tok_B, done_B, tokens = tf.while_loop(
-            cond, body, (i, slot, tok_B, done_B, tokens),
+            cond, body, (tf.constant(0), slot, tok_B, done_B, tokens),
             maximum_iterations=S if fused else None)
         return (tokens if fused else tokens.stack()), i, slot, tok_B, done_B
 
@@ -226,11 +246,25 @@ def generate_function(segs, fns, P: int | None, mode: str, S: int, fused: bool) 
     return OnDevice(graph, loop_device)
 
 
+def shift_function(segs, caches) -> "OnDevice":
+    """``f(delta)``: every cache's slots rolled by ``delta`` (int32; negative moves them to
+    the front). Slots that wrap around end up outside every row's attended range."""
+    @tf.function
+    def run(delta):
+        for seg, seg_caches in zip(segs, caches):
+            with tf.device(seg.device):
+                for ck, cv in seg_caches:
+                    ck.assign(tf.roll(ck, delta, axis=2))
+                    cv.assign(tf.roll(cv, delta, axis=2))
+        return delta
+    return OnDevice(run, segs[-1].device)
+
+
 def logits_function(segs, fns) -> "OnDevice":
     """``f(ids_BxP, pad_B)``: the logits (B, P, V) of every position, by prefill."""
     @tf.function
     def run(ids_BxP, pad_B):
-        return run_segments(segs, fns, "prefill", ids_BxP, pad_B, tf.constant(0),
+        return run_segments(segs, fns, "prefill", ids_BxP, pack_prefill_ctl(0, 0, pad_B),
                             HeadIn.greedy(pad_B.shape[0]), "greedy", want_logits=True)
     return OnDevice(run, segs[-1].device)
 
@@ -267,26 +301,35 @@ class OnDevice:
 class Program:
     """The compiled functions bound to one set of KV caches of shape (B, K, S, E).
 
-    ``caches`` has, per segment, one ``(k, v)`` variable pair per block; the generate and
-    logits graphs are built on first use per prompt bucket and sampling mode.
+    ``caches`` has, per segment, one ``(k, v)`` variable pair per block; the graphs are built
+    on first use per sampling mode (and attention window); each traces once per batch shape.
     """
 
     def __init__(self, segs, fns, caches, max_len: int, fused: bool):
         self.segments, self.fns, self.caches = list(segs), list(fns), caches
         self.max_len, self.fused = max_len, fused
-        self.graphs: dict = {}  # (prompt length P or None, mode) -> OnDevice
+        self.rows = caches[0][0][0].shape[0] if caches and caches[0] else None
+        self.graphs: dict = {}  # (kind, mode, window) -> OnDevice
 
-    def generate_fn(self, P: int | None, mode: str) -> OnDevice:
-        """The generate graph: prefill of ``P`` tokens (None: continue from the caches), then
-        decode steps in ``mode`` (``"greedy"``, ``"sample"`` or ``"filter"``)."""
-        key = (P, mode)
+    def _graph(self, key, make):
         if key not in self.graphs:
-            self.graphs[key] = generate_function(self.segments, self.fns, P, mode, self.max_len,
-                                                 self.fused)
+            self.graphs[key] = make()
         return self.graphs[key]
+
+    def prefill_fn(self, mode: str) -> OnDevice:
+        """:func:`prefill_function` over these caches, sampling in ``mode``."""
+        return self._graph(("prefill", mode), lambda: prefill_function(self.segments, self.fns,
+                                                                       mode))
+
+    def decode_fn(self, mode: str, window: int | None = None) -> OnDevice:
+        """:func:`decode_function` over these caches (``"greedy"``, ``"sample"`` or
+        ``"filter"``), attention reading the first ``window`` slots (None: all)."""
+        return self._graph(("decode", mode, window), lambda: decode_function(
+            self.segments, self.fns, mode, self.max_len, window, self.fused))
+
+    def shift_fn(self) -> OnDevice:
+        """:func:`shift_function` over these caches."""
+        return self._graph(("shift",), lambda: shift_function(self.segments, self.caches))
 
     def logits_fn(self, P: int) -> OnDevice:
-        key = (P, "logits")
-        if key not in self.graphs:
-            self.graphs[key] = logits_function(self.segments, self.fns)
-        return self.graphs[key]
+        return self._graph(("logits",), lambda: logits_function(self.segments, self.fns))

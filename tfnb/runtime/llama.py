@@ -154,10 +154,12 @@ def attention(q_BxTxHxE, k_BxKxSxE, v_BxKxSxE, mask_BxTxS):
     return tf.reshape(tf.transpose(out_BxKxGxTxE, [0, 3, 1, 2, 4]), [B, T, H * E])
 
 
-def _write_cache(cache_BxKxSxE, new_BxKxTxE, first_slot) -> None:
-    """Store ``new`` in cache slots ``[first_slot, first_slot + T)`` (in place under XLA)."""
+def _write_cache(cache_BxKxSxE, new_BxKxTxE, first_slot, first_row=0) -> None:
+    """Store ``new`` in cache slots ``[first_slot, first_slot + T)`` of rows ``[first_row,
+    first_row + B)`` (in place under XLA)."""
     zero = tf.zeros([], tf.int32)
-    at = tf.stack([zero, zero, tf.convert_to_tensor(first_slot, tf.int32), zero])
+    at = tf.stack([tf.convert_to_tensor(first_row, tf.int32), zero,
+                   tf.convert_to_tensor(first_slot, tf.int32), zero])
     cache_BxKxSxE.assign(xla.dynamic_update_slice(cache_BxKxSxE, new_BxKxTxE, at))
 
 
@@ -193,28 +195,35 @@ def _mlp_residual(x_BxTxD, attn_BxTxHE, p: BlockParams, cfg):
     return x_BxTxD + dense(_swiglu(dense(h_BxTxD, p.w_gate_up)), p.w_down)
 
 
-def block_prefill(x_BxTxD, p: BlockParams, cache_k, cache_v, pad_B, cfg):
-    """One block over a whole left-padded prompt in slots ``[0, T)``: returns its output and
-    writes slots ``[0, T)`` of the cache variables (attention itself only reads the ``T`` new
-    keys)."""
+def block_prefill(x_BxTxD, p: BlockParams, cache_k, cache_v, pad_B, cfg, first_slot=0,
+                  first_row=0):
+    """One block over a whole left-padded prompt (``pad_B`` counts its padding): returns its
+    output and writes its keys and values to slots ``[first_slot, first_slot + T)`` of cache
+    rows ``[first_row, first_row + B)`` (attention itself only reads the ``T`` new keys, so a
+    prompt may join rows that are already decoding at a later slot)."""
     h_BxTxD = rms_norm(x_BxTxD, p.attn_norm, cfg.norm_eps)
     q_BxTxHxE, k_BxKxTxE, v_BxKxTxE = _rope_qkv(dense(h_BxTxD, p.wqkv), pad_B, 0, cfg, p.bqkv)
-    _write_cache(cache_k, k_BxKxTxE, 0)
-    _write_cache(cache_v, v_BxKxTxE, 0)
+    _write_cache(cache_k, k_BxKxTxE, first_slot, first_row)
+    _write_cache(cache_v, v_BxKxTxE, first_slot, first_row)
     attn_BxTxHE = attention(q_BxTxHxE, k_BxKxTxE, v_BxKxTxE,
                             prefill_mask(pad_B, x_BxTxD.shape[1]))
     return _mlp_residual(x_BxTxD, attn_BxTxHE, p, cfg)
 
 
-def block_decode(x_Bx1xD, p: BlockParams, cache_k, cache_v, pad_B, slot, cfg):
+def block_decode(x_Bx1xD, p: BlockParams, cache_k, cache_v, pad_B, slot, cfg, window=None):
     """One block for one new token per row: returns its output and writes the token's key and
-    value into cache ``slot`` (an int32 scalar) of the cache variables."""
+    value into cache ``slot`` (an int32 scalar) of the cache variables.
+
+    The ``B`` rows are the cache's first ``B`` (a cache may hold more rows than are busy), and
+    attention reads only its first ``window`` slots (static; default all), which must cover
+    ``slot``."""
     h_Bx1xD = rms_norm(x_Bx1xD, p.attn_norm, cfg.norm_eps)
     q_Bx1xHxE, k_BxKx1xE, v_BxKx1xE = _rope_qkv(dense(h_Bx1xD, p.wqkv), pad_B, slot, cfg,
                                                     p.bqkv)
     _write_cache(cache_k, k_BxKx1xE, slot)
     _write_cache(cache_v, v_BxKx1xE, slot)
-    k_BxKxSxE, v_BxKxSxE = cache_k.read_value(), cache_v.read_value()
+    B, S = x_Bx1xD.shape[0], window or cache_k.shape[2]
+    k_BxKxSxE, v_BxKxSxE = cache_k.read_value()[:B, :, :S], cache_v.read_value()[:B, :, :S]
     attn_Bx1xHE = attention(q_Bx1xHxE, k_BxKxSxE, v_BxKxSxE,
                             decode_mask(pad_B, slot, k_BxKxSxE.shape[2]))
     return _mlp_residual(x_Bx1xD, attn_Bx1xHE, p, cfg)
@@ -247,28 +256,36 @@ def logits(h_BxD, final_norm_D, out_DxV, cfg):
     return matmul(h_BxD, out_DxV)
 
 
-def next_token(logits_BxV, mode, temperature, top_k, top_p, seed_2):
-    """The next token (B,) int32: ``argmax`` when ``mode == "greedy"``, else a sample.
+def next_token(logits_BxV, mode, temperature_B, top_k_B, top_p_B, seeds_Bx2):
+    """The next token (B,) int32: ``argmax`` when ``mode == "greedy"``, else a sample per row.
 
     ``mode`` is static: ``"greedy"``, ``"sample"`` (temperature only) or ``"filter"``
-    (temperature, then top-k, then top-p over the renormalised top-k, as HF's warpers).
-    ``temperature``/``top_p`` are float32 scalars, ``top_k`` an int32 scalar (0: off),
-    ``seed_2`` the stateless-random seed pair of this step. Sampling uses the Gumbel-max trick.
+    (temperature, then top-k, then top-p over the renormalised top-k, as HF's warpers). The
+    settings are per row: ``temperature_B``/``top_p_B`` float32, ``top_k_B`` int32 (0: off); a
+    row with temperature 0 is greedy, so requests of any settings share one batch.
+    ``seeds_Bx2`` is each row's stateless-random seed pair for this step (the request's seed
+    and the token's position), so a row samples the same tokens in any batch and chunking.
+    Sampling uses the Gumbel-max trick.
     """
+    greedy_B = tf.argmax(logits_BxV, axis=-1, output_type=tf.int32)
     if mode == "greedy":
-        return tf.argmax(logits_BxV, axis=-1, output_type=tf.int32)
-    x_BxV = logits_BxV / temperature
+        return greedy_B
+    x_BxV = logits_BxV / tf.maximum(temperature_B, 1e-6)[:, None]
     if mode == "filter":
         V = x_BxV.shape[-1]
         sorted_BxV = tf.sort(x_BxV, axis=-1, direction="DESCENDING")
         rank_V = tf.range(V, dtype=tf.int32)
-        k = tf.where(top_k > 0, tf.minimum(top_k, V), V)
-        in_top_k_BxV = (rank_V < k)[None, :] & tf.ones_like(sorted_BxV, tf.bool)
+        k_B = tf.where(top_k_B > 0, tf.minimum(top_k_B, V), V)
+        in_top_k_BxV = rank_V[None, :] < k_B[:, None]
         probs_BxV = tf.nn.softmax(tf.where(in_top_k_BxV, sorted_BxV, -np.inf), axis=-1)
         before_BxV = tf.cumsum(probs_BxV, axis=-1, exclusive=True)
-        keep_BxV = in_top_k_BxV & (before_BxV < top_p)
+        keep_BxV = in_top_k_BxV & (before_BxV < top_p_B[:, None])
         threshold_Bx1 = tf.reduce_min(tf.where(keep_BxV, sorted_BxV, np.inf), -1, keepdims=True)
         x_BxV = tf.where(x_BxV >= threshold_Bx1, x_BxV, -np.inf)
-    u_BxV = tf.random.stateless_uniform(tf.shape(x_BxV), seed=seed_2, minval=1e-20, maxval=1.0)
+    V = x_BxV.shape[-1]
+    u_BxV = tf.stack([tf.random.stateless_uniform([V], seed=seeds_Bx2[b], minval=1e-20,
+                                                  maxval=1.0)
+                      for b in range(x_BxV.shape[0])])
     gumbel_BxV = -tf.math.log(-tf.math.log(u_BxV))
-    return tf.argmax(x_BxV + gumbel_BxV, axis=-1, output_type=tf.int32)
+    sampled_B = tf.argmax(x_BxV + gumbel_BxV, axis=-1, output_type=tf.int32)
+    return tf.where(temperature_B > 0, sampled_B, greedy_B)

@@ -4,10 +4,11 @@
 stage's weights as ``tf.Variable``s directly on its
 device. Consecutive stages on one device form a *segment*; each segment has one XLA-compiled
 function for prefill and one for a decode step, which read its weights and update its KV caches
-(also variables on that device) in place. A generate call (or one streaming chunk) is a single
-multi-device ``tf.function``: prefill, then a ``tf.while_loop`` whose body calls every segment
-under ``tf.device(segment.device)``. Only activations (B, T, D) and the int32 next token cross
-devices; sampling happens on the head's device.
+(also variables on that device) in place. Generate calls run in the placed model's scheduler
+(:mod:`tfnb.runtime.scheduler`): concurrent calls share the batch, joining and leaving between
+chunks of decode steps. A chunk is a single multi-device ``tf.function``, a ``tf.while_loop``
+whose body calls every segment under ``tf.device(segment.device)``. Only activations (B, T, D)
+and the int32 next token cross devices; sampling happens on the head's device.
 
 Examples
 --------
@@ -32,6 +33,7 @@ from tfnb.runtime.faults import call_with_deadline
 from tfnb.runtime.graphs import Program, segment_functions
 from tfnb.runtime.requests import (GenerateOptions, GenerateRequest, make_batch, prompt_ids,
                                    with_options_signature)
+from tfnb.runtime.scheduler import MAX_ROWS, Scheduler
 from tfnb.runtime.session import GenerateSession
 from tfnb.runtime.weights import (check_packed_ops, check_weights, kv_caches, param_variables,
                                   segment_params)
@@ -105,11 +107,16 @@ class PlacedModel:
         Seconds a call (one streamed chunk) may take; a call that first compiles a function gets
         the larger of the two. Either way a worker that stops answering fails a call within
         seconds (``tfnb.runtime.faults``).
-    caches_owner
-        The generate session whose state the KV caches hold (a stream stops when another call
-        takes them over).
+    scheduler : tfnb.runtime.scheduler.Scheduler
+        The request queue and KV-cache lanes every generate call runs in (continuous
+        batching): one lane per device of a split chain, so concurrent requests keep every
+        stage busy.
+    max_batch : int
+        Cache rows per lane (concurrent sequences batched together; a request with more
+        prompts grows its lane when the lane is idle).
     last_stats : dict or None
-        Tokens, chunks and seconds of the last finished generate call.
+        Tokens, chunks, seconds, tokens/s, queue wait and time to first token of the last
+        finished generate call.
 
     Examples
     --------
@@ -132,12 +139,13 @@ class PlacedModel:
         self._call_lock = threading.RLock()
         self._inflight: threading.Thread | None = None  # a call that Ctrl-C left running
         self._lost: str | None = None
-        self.caches_owner = None
         self.last_stats: dict | None = None
+        self.max_batch = MAX_ROWS
         self.moved_stages = list(self.assignment)  # stages whose weights this placement moved
         eos = tuple(config.eos_ids) or tuple(getattr(tokenizer, "eos_ids", ()) or ())
         self.eos_ids = eos
         self.pad_id = eos[0] if eos else 0
+        self.scheduler = Scheduler(self, len(self.devices) if len(self.segments) > 1 else 1)
         shared: dict = {}  # device -> the tied (D, V) embedding there
         if any(isinstance(w, PackedTensor) for w in weights.values()):
             check_packed_ops(self.devices, timeout=timeout)
@@ -191,17 +199,20 @@ class PlacedModel:
         """Every weight variable, in stage order."""
         return param_variables(self.params)
 
-    def program(self, B: int, S: int) -> Program:
-        """The compiled functions over a set of KV caches for batch ``B`` and ``S`` slots
-        (made on first use; the ``_MAX_PROGRAMS`` most recent sets are kept)."""
-        key = (B, S)
+    def program(self, B: int, S: int, owner="logits") -> Program:
+        """The compiled functions over a set of KV caches for batch ``B`` and ``S`` slots,
+        made on first use. Each scheduler lane (``owner`` its index) has one set, replaced
+        when it asks for another size; ``logits`` keeps the ``_MAX_PROGRAMS`` most recent."""
+        key = (owner, B, S)
         if key in self._programs:
             self._programs.move_to_end(key)
             return self._programs[key]
-        while len(self._programs) >= _MAX_PROGRAMS:
-            _, old = self._programs.popitem(last=False)
-            for fn in old.graphs.values():
-                self._warm.pop(id(fn), None)
+        mine = [k for k in self._programs if k[0] == owner]
+        while mine and (owner != "logits" or len(mine) >= _MAX_PROGRAMS):
+            old = self._programs.pop(mine.pop(0))
+            stale = {id(fn) for fn in old.graphs.values()}
+            for key in [k for k in self._warm if k[0] in stale]:
+                del self._warm[key]
         cfg = self.config
         shape = [B, cfg.n_kv_heads, S, cfg.head_dim]
         if self._lost:
@@ -221,18 +232,24 @@ class PlacedModel:
         self._programs[key] = program
         return program
 
-    def run(self, fn, args=(), what: str = "generate"):
+    def run(self, fn, args=(), what: str = "generate", lock=None):
         """``fn(*args)`` with this placement's deadline and liveness probes; tensor results
         come back as numpy arrays. ``WorkerLostError`` names a lost worker, and the placement
-        refuses further calls after one."""
+        refuses further calls after one.
+
+        Calls holding the same ``lock`` run one at a time (a scheduler lane passes its own, so
+        lanes run at once); by default the placement's own lock, which also makes a call wait
+        for one that Ctrl-C interrupted."""
         if self._lost:
             raise WorkerLostError(self._lost)
-        with self._call_lock:
-            self._wait_for_interrupted()
+        with lock or self._call_lock:
+            if lock is None:
+                self._wait_for_interrupted()
             # A function's first call traces and XLA-compiles it (up to a minute for a real
             # model on a busy machine), so it gets the longer compile_timeout; the liveness
             # probes still fail it within seconds when a worker stops answering.
-            first = id(fn) not in self._warm
+            warm_key = (id(fn),) + tuple(np.shape(a) for a in args)  # a new shape compiles
+            first = warm_key not in self._warm
             timeout = self.timeout
             if first and timeout is not None and self.compile_timeout is not None:
                 timeout = max(timeout, self.compile_timeout)
@@ -243,7 +260,7 @@ class PlacedModel:
                                          devices=self.devices,
                                          what=what + (" (compiling)" if first else ""),
                                          on_start=self._started)
-                self._warm[id(fn)] = fn
+                self._warm[warm_key] = fn
                 return out
             except WorkerLostError as e:
                 if e.confirmed:  # else its own workers all answer: nothing of it was lost
@@ -265,7 +282,6 @@ class PlacedModel:
             self._inflight = thread
             raise GenerateError(f"an interrupted call is still running on the workers after "
                                 f"{self.timeout} s; try again later, or place the model again")
-        self.caches_owner = None
 
     # ----- public API ---------------------------------------------------------------------
 

@@ -21,11 +21,10 @@ Examples
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import warnings
 
-from tfnb.errors import GenerateError, WorkerLostError
+from tfnb.errors import WorkerLostError
 from tfnb.runtime.placed import PlacedModel
 from tfnb.runtime.requests import with_options_signature
 
@@ -57,8 +56,6 @@ class ReplicatedModel:
                                                   replicas[0].name)
         self._lock = threading.Lock()
         self._in_flight = {id(r): 0 for r in replicas}
-        # a plain Lock: a stream's chunks may be made on different threads (an ASGI thread pool)
-        self._request_locks = {id(r): threading.Lock() for r in replicas}
         self.served = {r.devices[0]: 0 for r in replicas}
         self.last_stats: dict | None = None
 
@@ -112,9 +109,12 @@ class ReplicatedModel:
                           f"{len(self.replicas)} replica(s) keep serving", ReplicaLostWarning,
                           stacklevel=4)
 
-    def _done(self, replica: PlacedModel, error: BaseException | None) -> None:
+    def _done(self, replica: PlacedModel, error: BaseException | None,
+              served: bool = True) -> None:
         with self._lock:
             self._in_flight[id(replica)] -= 1
+            if not served:
+                return
             if error is None:
                 self.served[replica.devices[0]] += 1
                 self.last_stats = replica.last_stats
@@ -128,9 +128,7 @@ class ReplicatedModel:
         for attempt in range(len(self.replicas) + 1):
             replica = self._pick()
             try:
-                # one request at a time per replica: chunks of two requests never interleave
-                with self._turn(replica):
-                    result = getattr(replica, method)(prompts, **options)
+                result = getattr(replica, method)(prompts, **options)
             except WorkerLostError as e:
                 self._done(replica, e)
                 if attempt == len(self.replicas) or not any(r.lost is None for r in self.replicas):
@@ -142,31 +140,19 @@ class ReplicatedModel:
             self._done(replica, None)
             return result
 
-    @contextlib.contextmanager
-    def _turn(self, replica: PlacedModel):
-        """Wait for the replica's turn, at most its compile allowance (a queue this long means
-        a request is stuck, or a stream was left open in this thread)."""
-        wait = replica.compile_timeout or replica.timeout or 900.0
-        lock = self._request_locks[id(replica)]
-        if not lock.acquire(timeout=wait):
-            raise GenerateError(f"the replica on {replica.devices[0]} stayed busy for {wait} s "
-                                "(a stream left open on it?): try again, or close the stream")
-        try:
-            yield
-        finally:
-            lock.release()
-
     def _stream(self, replica, method, prompts, options):
-        chunks = getattr(replica, method)(prompts, **options)  # checks the arguments now
+        try:
+            chunks = getattr(replica, method)(prompts, **options)  # checks the arguments now
+        finally:
+            self._done(replica, None, served=False)  # a stream counts while it is read
         return self._streamed(replica, chunks)
 
     def _streamed(self, replica, chunks):
+        with self._lock:
+            self._in_flight[id(replica)] += 1
         error = None
         try:
-            # the replica's request lock from the first chunk on: two streams (or a stream and
-            # a call) never take turns on one replica's caches
-            with self._turn(replica):
-                yield from chunks
+            yield from chunks
         except BaseException as e:
             error = e
             raise

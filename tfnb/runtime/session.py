@@ -1,7 +1,8 @@
-"""One generate call on a ``PlacedModel``: the client-side chunk loop.
+"""One generate call on a ``PlacedModel``, seen from its caller.
 
-Each chunk is one call of the placed model's graph function; between chunks the client collects
-the new tokens, checks stop strings, reports a ``ChunkEvent`` and, when streaming, yields text.
+The call's prompts run in the model's scheduler (continuous batching); between the events it
+sends, the caller collects the new tokens, checks stop strings, reports a ``ChunkEvent`` and,
+when streaming, yields text.
 All arguments are checked once, by ``GenerateRequest.check``, so a bad argument raises at the
 call, also with ``stream=True``.
 """
@@ -11,9 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from tfnb.errors import GenerateError, WorkerLostError
+from tfnb.errors import WorkerLostError
 from tfnb.runtime.requests import GenerateRequest, make_batch
 
 __all__ = ["ChunkEvent", "GenerateSession"]
@@ -37,11 +36,13 @@ class ChunkEvent:
 
 
 class GenerateSession:
-    """The chunk loop of one checked request on a placed model.
+    """One checked request on a placed model, as its caller sees it.
 
-    It uses the placed model's public runtime surface only: ``program(B, S)`` for the compiled
-    functions over one set of caches, ``run(fn, args)`` to call one with its deadline,
-    ``caches_owner`` (the session whose state the caches hold) and ``last_stats``.
+    The request runs as a ticket in the model's scheduler (:mod:`tfnb.runtime.scheduler`),
+    batched with whatever else runs there; this side collects its new tokens, checks stop
+    strings, reports a ``ChunkEvent`` every ``chunk_tokens`` tokens and, when streaming,
+    yields text. It uses the placed model's public surface only: ``scheduler``, ``timeout``,
+    ``compile_timeout``, ``eos_ids``, ``tokenizer`` and ``last_stats``.
     """
 
     def __init__(self, pm, request: GenerateRequest):
@@ -50,75 +51,65 @@ class GenerateSession:
         self.max_new, self.sampling, self.stops = request.max_new_tokens, request.sampling, \
             request.stops
         self.chunk, self.on_chunk = request.chunk_tokens, request.on_chunk
-        self.batch = make_batch(self.rows, self.max_new, pm.config.max_context, pm.pad_id)
+        make_batch(self.rows, self.max_new, pm.config.max_context)  # checks the context
         n = len(self.rows)
         self.ids: list[list[int]] = [[] for _ in range(n)]
         self.cut: list[str | None] = [None] * n  # text before the stop string, once found
         self.finished = [False] * n
+        self.stats: dict | None = None
 
-    # ----- the chunk loop -----------------------------------------------------------------
+    # ----- the event loop -----------------------------------------------------------------
 
     def _events(self):
-        pm, b, s = self.pm, self.batch, self.sampling
-        B, P = b.ids_BxP.shape
-        program = pm.program(B, b.max_len)
-        pm.caches_owner = self
-        done_B = b.done_B.copy()
-        sampling = (np.float32(s.temperature), np.int32(s.top_k), np.float32(s.top_p),
-                    np.int32(s.seed))
-        state = None
-        remaining, index, start = self.max_new, 0, time.perf_counter()
-        while remaining > 0 and not all(self.finished):
-            if pm.lost:  # a worker was lost meanwhile (by this stream or another call)
-                raise WorkerLostError(pm.lost)
-            if pm.caches_owner is not self:
-                raise GenerateError("another generate call on this model started while this "
-                                    "stream was open: a stream cannot continue after it")
-            n = min(self.chunk, remaining)
-            if state is None:
-                fn = program.generate_fn(P, s.mode)
-                x, slot = b.ids_BxP, np.int32(0)
-            else:
-                fn = program.generate_fn(None, s.mode)
-                x, slot = state
-            tokens_NxB, count, slot, tok_B, done_t = pm.run(
-                fn, (x, b.pad_B, slot, done_B, np.int32(n)) + sampling)
-            tokens_NxB = tokens_NxB[:int(count)]  # numpy already: fetched within the deadline
-            state, done_B = (tok_B, np.int32(slot)), done_t
-            new_ids = self._collect(tokens_NxB)
-            for row in range(len(self.rows)):
-                done_B[row] |= self.finished[row]
-            remaining -= n
-            index += 1
-            event = ChunkEvent(
-                index=index - 1, new_ids=new_ids,
-                new_text=self._texts() if (self.text and pm.tokenizer is not None) else None,
-                n_tokens=sum(len(r) for r in self.ids),
-                elapsed_s=time.perf_counter() - start,
-                finished=remaining <= 0 or all(self.finished),
-                rows_finished=list(self.finished))
-            if self.on_chunk is not None:
-                self.on_chunk(event)
-            yield event
-        pm.last_stats = {"tokens": sum(len(r) for r in self.ids), "chunks": index,
-                         "seconds": time.perf_counter() - start}
-
-    def _collect(self, tokens_NxB: np.ndarray) -> list[list[int]]:
-        eos = set(self.pm.eos_ids)
-        new_ids = []
-        for row in range(len(self.rows)):
-            got = []
-            if not self.finished[row]:
-                for t in tokens_NxB[:, row].tolist():
-                    got.append(t)
-                    if t in eos:
+        pm = self.pm
+        if pm.lost:
+            raise WorkerLostError(pm.lost)
+        ticket = pm.scheduler.submit(self.rows, self.max_new, self.sampling, self.chunk)
+        # the lane's calls have their own deadlines; this bound only guards against a lane
+        # that stopped making calls at all
+        wait = None if pm.timeout is None else pm.timeout + (pm.compile_timeout or 0) + 30
+        index, start = 0, time.perf_counter()
+        first_token = None
+        new_ids = [[] for _ in self.rows]
+        try:
+            while not all(self.finished):
+                got, ended = ticket.next(wait)
+                if first_token is None:
+                    first_token = time.perf_counter()
+                for row, ids in enumerate(got):
+                    if self.finished[row]:
+                        continue
+                    self.ids[row] += ids
+                    new_ids[row] += ids
+                    if ended[row]:
                         self.finished[row] = True
-                        break
-            self.ids[row] += got
-            if got and self.stops:
-                self._check_stops(row, len(self.ids[row]) - len(got))
-            new_ids.append(got)
-        return new_ids
+                    if ids and self.stops:
+                        self._check_stops(row, len(self.ids[row]) - len(ids))
+                        if self.finished[row]:
+                            ticket.finish(row)
+                over = all(self.finished)
+                if not over and not any(len(n) >= self.chunk for n in new_ids):
+                    continue
+                event = ChunkEvent(
+                    index=index, new_ids=new_ids,
+                    new_text=self._texts() if (self.text and pm.tokenizer is not None) else None,
+                    n_tokens=sum(len(r) for r in self.ids),
+                    elapsed_s=time.perf_counter() - start, finished=over,
+                    rows_finished=list(self.finished))
+                index += 1
+                new_ids = [[] for _ in self.rows]
+                if self.on_chunk is not None:
+                    self.on_chunk(event)
+                yield event
+        finally:
+            ticket.cancel()  # a caller that stopped reading (or Ctrl-C) frees its rows
+        end = time.perf_counter()
+        self.stats = {"tokens": sum(len(r) for r in self.ids), "chunks": index,
+                      "seconds": end - start,
+                      "queue_s": (ticket.started or end) - ticket.submitted,
+                      "first_token_s": (first_token or end) - ticket.submitted}
+        self.stats["tokens_per_s"] = self.stats["tokens"] / max(end - start, 1e-9)
+        pm.last_stats = self.stats
 
     def _check_stops(self, row: int, first_new: int) -> None:
         tok = self.pm.tokenizer

@@ -1,0 +1,235 @@
+"""Concurrent requests on SmolLM2-135M: tfnb on one worker, split over two and replicated on two,
+against Hugging Face XLA (the same requests batched) and llama.cpp's ``llama-server`` (its own
+continuous batching; alone and over two RPC servers).
+
+Every tfnb worker and every llama.cpp process that computes is pinned to one core (``taskset``),
+so the two-worker configurations have twice the cores of the single one, as two machines
+would. ``C`` clients (C = 1, 2, 4, 8, 16) each send ``--requests`` greedy requests of ``--new``
+new tokens (EOS off, so every request makes them all); the figure is the aggregate tokens per
+second of the round and the median and 95th percentile of the requests' latencies.
+
+* ``tfnb 1 worker``: the model on one worker; concurrent requests share its batch;
+* ``tfnb split``: a plan capped at 100 MB per worker, so each holds half the blocks; one lane
+  of cache rows per worker, so two batches keep both busy;
+* ``tfnb replicas``: ``tfnb.plan(mode="replicate")``, a full copy per worker;
+* ``HF XLA``: ``generate`` under ``jit_compile`` in this process (2 cores), the C requests of a
+  round as one batch;
+* ``llama.cpp``: ``llama-server -t 1 -np 16`` on core 0, and with ``--rpc`` over two
+  ``ggml-rpc-server``s on cores 0 and 1; requests through its OpenAI API.
+
+For the tfnb configurations the planner's predicted throughput at 8 concurrent requests (its
+stage times calibrated on the workers, at the batch each lane or copy then runs) is set beside
+the measurement. The machine is shared and noisy: compare the ratios of one run. Writes
+``benchmarks/results/serving.md`` and ``.json``.
+
+Run::
+
+    python benchmarks/bench_serving.py [--new 48] [--requests 2] [--skip hf llama.cpp]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import threading
+import time
+import warnings
+
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+PROMPT = "Name three colours of the rainbow."
+CONCURRENCY = (1, 2, 4, 8, 16)
+PREDICT_AT = 8
+
+
+def round_of(send, clients: int, requests: int, new: int) -> dict:
+    """``clients`` threads, ``requests`` calls of ``send()`` (which returns the tokens it got)
+    each; aggregate tokens/s and latencies."""
+    latencies: list[float] = []
+    tokens = [0]
+    lock = threading.Lock()
+
+    def client():
+        for _ in range(requests):
+            t0 = time.perf_counter()
+            n = send()
+            with lock:
+                latencies.append(time.perf_counter() - t0)
+                tokens[0] += n
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    assert tokens[0] == clients * requests * new, (tokens[0], clients, requests, new)
+    latencies.sort()
+    return {"clients": clients, "tokens_per_s": tokens[0] / wall,
+            "p50_s": statistics.median(latencies),
+            "p95_s": latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))]}
+
+
+def rounds(send, requests: int, new: int, warm: int = 2) -> list[dict]:
+    for c in (1, warm, 4, 8, 16):  # compile every batch bucket outside the rounds
+        round_of(send, c, 1, new)
+    out = [round_of(send, c, requests, new) for c in CONCURRENCY]
+    print([f"{r['clients']}: {r['tokens_per_s']:.1f}" for r in out], flush=True)
+    return out
+
+
+def bench_tfnb(model, prompt_ids, requests: int, new: int) -> dict:
+    import tfnb
+
+    results = {}
+    configs = (("tfnb 1 worker", 1, {}), ("tfnb split", 2, {"max_memory": "100MB"}),
+               ("tfnb replicas", 2, {"mode": "replicate"}))
+    for name, n_workers, how in configs:
+        cluster = tfnb.local(n_workers, cpus=[str(i) for i in range(n_workers)])
+        try:
+            plan = tfnb.plan(model, cluster, calibrate=False, **how)
+            placed = tfnb.place(model, plan, cluster)
+            copies = getattr(placed, "replicas", [placed])
+            for copy in copies:
+                copy.max_batch = 16
+                copy.eos_ids = ()
+            lanes = len(copies) * len(copies[0].scheduler.lanes)
+            rows = rounds(lambda: len(placed.generate_ids(prompt_ids, max_new_tokens=new)),
+                          requests, new)
+            # the planner's figure for 8 requests: each lane runs 8 / lanes of them (a
+            # replicated plan splits the batch over its copies itself)
+            batch = PREDICT_AT if how.get("mode") == "replicate" else PREDICT_AT // lanes
+            predicted = tfnb.plan(model, cluster, batch=batch, **how)
+            results[name] = {"rounds": rows, "lanes": lanes,
+                             "predicted_at_8": predicted.prediction.throughput,
+                             "plan": str(plan.segments()),
+                             "predicted_plan": str(predicted.segments())}
+            print(name, results[name]["predicted_at_8"], flush=True)
+        finally:
+            cluster.stop()
+    return results
+
+
+def bench_hf(model, prompt_ids, requests: int, new: int) -> dict:
+    import tensorflow as tf
+
+    hf = model.to_hf()
+    hf.generation_config.eos_token_id = None
+    hf.config.eos_token_id = None
+    generate = tf.function(hf.generate, jit_compile=True)
+    out = []
+    for c in CONCURRENCY:
+        ids = tf.constant([prompt_ids] * c, tf.int32)
+        run = lambda: generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0)  # noqa
+        run()  # compile
+        lat = []
+        start = time.perf_counter()
+        for _ in range(requests):
+            t0 = time.perf_counter()
+            run()
+            lat += [time.perf_counter() - t0] * c
+        wall = time.perf_counter() - start
+        lat.sort()
+        out.append({"clients": c, "tokens_per_s": c * requests * new / wall,
+                    "p50_s": statistics.median(lat), "p95_s": lat[int(0.95 * (len(lat) - 1))]})
+    print("HF", [f"{r['clients']}: {r['tokens_per_s']:.1f}" for r in out], flush=True)
+    return {"HF XLA (batched)": {"rounds": out}}
+
+
+def bench_llama_cpp(gguf_path: str, prompt_text: str, requests: int, new: int) -> dict:
+    import openai
+
+    from benchmarks import llama_cpp
+
+    llama_cpp.build()
+    results = {}
+
+    def sender(url):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=300)
+
+        def send():
+            r = client.completions.create(model="smollm2", prompt=prompt_text, max_tokens=new,
+                                          temperature=0, extra_body={"ignore_eos": True})
+            return r.usage.completion_tokens
+        return send
+
+    with llama_cpp.server(gguf_path, 1, max(CONCURRENCY), cpus="0") as url:
+        results["llama.cpp server, 1 core"] = {"rounds": rounds(sender(url), requests, new)}
+    with llama_cpp.rpc_servers(["0", "1"]) as rpc:
+        with llama_cpp.server(gguf_path, 1, max(CONCURRENCY), rpc=rpc) as url:
+            results["llama.cpp server, RPC 2 x 1 core"] = {
+                "rounds": rounds(sender(url), requests, new)}
+    return results
+
+
+def table(results: dict) -> str:
+    names = list(results)
+    head = "| concurrent requests | " + " | ".join(names) + " |"
+    rows = [head, "|---" * (len(names) + 1) + "|"]
+    for i, c in enumerate(CONCURRENCY):
+        cells = []
+        for n in names:
+            r = results[n]["rounds"][i]
+            cells.append(f"{r['tokens_per_s']:.1f} ({r['p50_s']:.2f} / {r['p95_s']:.2f})")
+        rows.append(f"| {c} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def summary(results: dict) -> str:
+    at = CONCURRENCY.index(PREDICT_AT)
+    rate = {n: r["rounds"][at]["tokens_per_s"] for n, r in results.items()}
+    lines = []
+    one = rate.get("tfnb 1 worker")
+    for n in ("tfnb split", "tfnb replicas"):
+        if n in rate and one:
+            lines.append(f"- {n} / tfnb 1 worker at {PREDICT_AT} requests: "
+                         f"{rate[n] / one:.2f}x (target >= 1.7x)")
+        rpc = rate.get("llama.cpp server, RPC 2 x 1 core")
+        if n in rate and rpc:
+            lines.append(f"- {n} / llama.cpp RPC at {PREDICT_AT} requests: {rate[n] / rpc:.2f}x "
+                         "(target >= 1x)")
+    for n, r in results.items():
+        if "predicted_at_8" in r:
+            p = r["predicted_at_8"]
+            lines.append(f"- {n}: planner predicted {p:.1f} tokens/s at {PREDICT_AT} requests, "
+                         f"measured {rate[n]:.1f} ({rate[n] / p - 1:+.0%}); {r['lanes']} lane(s)")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--new", type=int, default=48)
+    ap.add_argument("--requests", type=int, default=2)
+    ap.add_argument("--skip", nargs="*", default=[], choices=["tfnb", "hf", "llama.cpp"])
+    args = ap.parse_args()
+
+    import tfnb
+    from benchmarks._results import write_results
+    from tfnb.cluster.security import ExposedServerWarning
+    from tfnb.models.model import smollm2_path
+
+    warnings.simplefilter("ignore", ExposedServerWarning)
+    model = tfnb.load_model("smollm2")
+    text = model.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}])
+    ids = model.tokenizer.encode(text)
+    results = {}
+    if "tfnb" not in args.skip:
+        results.update(bench_tfnb(model, ids, args.requests, args.new))
+    if "hf" not in args.skip:
+        results.update(bench_hf(model, ids, args.requests, args.new))
+    if "llama.cpp" not in args.skip:
+        results.update(bench_llama_cpp(smollm2_path(), text, args.requests, args.new))
+    md = (f"# Concurrent requests: SmolLM2-135M (Q4_1 GGUF), greedy, {args.new} new tokens\n\n"
+          f"{time.strftime('%Y-%m-%d %H:%M')}; {args.requests} requests per client per round; "
+          "aggregate tokens/s (p50 / p95 latency, s). Every computing process pinned to one "
+          "core, HF XLA on 2 cores.\n\n" + table(results) + "\n\n" + summary(results) + "\n")
+    write_results("serving", md, {"new": args.new, "requests": args.requests, **results})
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
