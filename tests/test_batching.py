@@ -118,3 +118,43 @@ def test_a_stop_string_ends_its_row_early_and_frees_it(single):
     cut = placed.generate(PROMPTS[3], max_new_tokens=N, stop=stop)
     assert stop not in cut and text.startswith(cut)
     assert placed.scheduler.busy_rows() == [0]
+
+
+def _overlap_ms(prof, a: str, b: str) -> tuple[float, float]:
+    """Milliseconds both devices computed at once, and the less busy one's compute time."""
+    from tfnb.profiler.profile import union_ns
+
+    spans = {d: [(e.start, e.start + e.dur) for e in prof.events
+                 if e.device == d and e.category == "compute"] for d in (a, b)}
+    hi = prof.window_ns
+    both = union_ns(spans[a], 0, hi) + union_ns(spans[b], 0, hi) - \
+        union_ns(spans[a] + spans[b], 0, hi)
+    return both / 1e6, min(union_ns(spans[d], 0, hi) for d in (a, b)) / 1e6
+
+
+def test_two_requests_on_a_split_model_keep_both_workers_busy_at_once(cluster):
+    """The profile's timeline: one request alternates between the workers; two requests (one
+    lane each) have both computing at the same time."""
+    from tfnb.models.chain import stage_names
+    from tfnb.models.llama import random_weights, tiny_config
+    from tfnb.models.model import Model
+    from tfnb.models.tokenizer import CharTokenizer
+
+    config = tiny_config(hidden_size=512, ffn_size=2048, n_layers=4, n_heads=8, n_kv_heads=4)
+    model = Model("wide-llama", "llama", config, CharTokenizer(config.vocab_size),
+                  random_weights(config, 0))
+    w0, w1 = cluster.devices[:2]
+    names = stage_names(config.n_layers)
+    placed = tfnb.place(model, {s: (w0 if i < len(names) // 2 else w1)
+                                for i, s in enumerate(names)}, cluster)
+    placed.eos_ids = ()
+    prompts = ["hello world", "the cat sat"]
+    _concurrently(lambda p: placed.generate_ids(p, max_new_tokens=40), prompts)  # compile
+    with tfnb.profiler.profile(cluster, timeout=30) as alone:
+        placed.generate_ids(prompts[0], max_new_tokens=40)
+    with tfnb.profiler.profile(cluster, timeout=30) as two:
+        _concurrently(lambda p: placed.generate_ids(p, max_new_tokens=40), prompts)
+    assert not alone.partial and not two.partial, (alone.reasons, two.reasons)
+    (one_both, one_min), (two_both, two_min) = _overlap_ms(alone, w0, w1), _overlap_ms(two, w0, w1)
+    assert two_both > 0.3 * two_min, (two_both, two_min)   # both at once much of the time
+    assert two_both > 3 * one_both, (one_both, two_both)   # alone, they take turns

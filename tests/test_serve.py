@@ -87,6 +87,10 @@ def test_a_client_that_disconnects_mid_stream_frees_its_replica(placements):
         while sum(placed.in_flight.values()) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert sum(placed.in_flight.values()) == 0, placed.in_flight
+        while any(sum(r.scheduler.busy_rows()) for r in placed.replicas) and \
+                time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [r.scheduler.busy_rows() for r in placed.replicas] == [[0], [0]]  # rows freed
         assert _ask(_client(server), server.model, "hello")  # and it serves again
 
 

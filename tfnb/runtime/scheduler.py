@@ -153,7 +153,9 @@ class Lane:
     def load(self) -> int:
         """Rows in use plus rows waiting: where the scheduler sends the next ticket (called
         with the scheduler's condition held, which guards ``pending``)."""
-        return self.busy_rows() + sum(len(t.seqs) for t in self.pending)
+        joining = self.joining
+        return self.busy_rows() + sum(len(t.seqs) for t in self.pending) + (
+            len(joining.seqs) if joining is not None else 0)
 
     def _free(self, ticket: Ticket) -> None:
         for row, owner in enumerate(self.owners):
@@ -211,9 +213,8 @@ class Lane:
                 raise WorkerLostError(self.pm.lost)
             if not self._make_room(ticket):
                 return  # it waits for busy rows to finish (first come, first served)
-            with self.cond:
-                self.pending.popleft()
-            self.joining = ticket  # a failing prefill fails it too
+            with self.cond:  # counted in load() until it holds rows; a failing prefill fails it
+                self.joining = self.pending.popleft()
             self._prefill(ticket)
             self.joining = None
 
