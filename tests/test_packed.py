@@ -52,6 +52,25 @@ def test_packed_matmul_matches_gguf_dequantize(name, M, C, N):
     assert np.array_equal(kernels.packed_dequantize(w_MxR, qtype, C).numpy(), ref_MxC)
 
 
+@pytest.mark.parametrize("name", ["Q4_1", "Q8_0"])
+def test_many_rows_go_through_a_dequantized_dot_with_the_same_result(name):
+    """A prefill's matmul (``DEQUANTIZE_ROWS`` rows or more) takes the dequantize-then-dot
+    route inside XLA; it equals the packed kernel's result, so both routes give one model."""
+    import tensorflow as tf
+
+    from tfnb.runtime import llama as L
+
+    rng = np.random.default_rng(3)
+    C, M = 96, 40
+    w_MxR, ref_MxC = packed_rows(rng.standard_normal((M, C)).astype(np.float32), name)
+    w = L.Packed(tf.constant(w_MxR), kernels.QTYPES[name], C)
+    for N in (L.DEQUANTIZE_ROWS - 1, L.DEQUANTIZE_ROWS + 5):
+        x_NxC = rng.standard_normal((N, C)).astype(np.float32)
+        got = tf.function(lambda x: L.matmul(x, w), jit_compile=True)(x_NxC).numpy()
+        np.testing.assert_allclose(got, x_NxC @ ref_MxC.T, rtol=0,
+                                   atol=1e-5 * np.sqrt(C) * np.abs(ref_MxC).max())
+
+
 @pytest.mark.parametrize("name", ["F32", "F16"])
 def test_float_rows_of_any_width_use_the_portable_path(name):
     rng = np.random.default_rng(1)

@@ -87,9 +87,20 @@ def fuse_block(weights: dict, i: int) -> dict[str, np.ndarray]:
     }
 
 
+# From this many rows of ``x`` on (a prefill), a packed matrix is dequantized once and multiplied
+# by XLA's dot. Probed on SmolLM2, one core, prefill of B x 48 slots: through the packed kernel
+# (which decodes each weight block once per 4 rows) 333 ms at B=1 and 3033 ms at B=8, about
+# 8 ms per row; dequantized first 537 ms and 1779 ms, about 3.7 ms per row plus 360 ms for the
+# copies (float32 weights: 219 and 1166 ms). They cross near 96 rows.
+DEQUANTIZE_ROWS = 96
+
+
 def matmul(x_NxD, w_DxC):
     """``x @ w`` for a 2-D ``x`` and a float32 or ``Packed`` kernel."""
     if isinstance(w_DxC, Packed):
+        if x_NxD.shape[0] >= DEQUANTIZE_ROWS:
+            w_CxD = kernels.packed_dequantize(w_DxC.data, w_DxC.qtype, w_DxC.cols)
+            return tf.matmul(x_NxD, w_CxD, transpose_b=True)
         return kernels.packed_matmul(x_NxD, w_DxC.data, w_DxC.qtype, w_DxC.cols)
     return tf.matmul(x_NxD, w_DxC)
 
@@ -223,7 +234,12 @@ def block_decode(x_Bx1xD, p: BlockParams, cache_k, cache_v, pad_B, slot, cfg, wi
     _write_cache(cache_k, k_BxKx1xE, slot)
     _write_cache(cache_v, v_BxKx1xE, slot)
     B, S = x_Bx1xD.shape[0], window or cache_k.shape[2]
-    k_BxKxSxE, v_BxKxSxE = cache_k.read_value()[:B, :, :S], cache_v.read_value()[:B, :, :S]
+    # The rows are gathered, not sliced: probed on TF 2.21's XLA:CPU (30 caches of SmolLM2's
+    # shape, 8 rows, one core), reading rows [:B] of the updated cache made XLA copy every cache
+    # in full each step for any 1 < B (about 40 ms, 3-5x a decode step), gathering them did not.
+    rows_B = tf.range(B)
+    k_BxKxSxE = tf.gather(cache_k.read_value()[:, :, :S], rows_B)
+    v_BxKxSxE = tf.gather(cache_v.read_value()[:, :, :S], rows_B)
     attn_Bx1xHE = attention(q_Bx1xHxE, k_BxKxSxE, v_BxKxSxE,
                             decode_mask(pad_B, slot, k_BxKxSxE.shape[2]))
     return _mlp_residual(x_Bx1xD, attn_Bx1xHE, p, cfg)

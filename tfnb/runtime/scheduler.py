@@ -225,7 +225,7 @@ class Lane:
         if not self.busy_rows():
             if n > self.rows or ticket.need > self.slots:
                 cfg = self.pm.config
-                self.rows = max(self.rows, n, min(MAX_ROWS, self.pm.max_batch))
+                self.rows = max(self.rows, n, self.pm.max_batch)
                 self.slots = max(self.slots, min(cfg.max_context, max(
                     MIN_SLOTS, bucket(ticket.need, 64, maximum=cfg.max_context))))
                 self.program = None  # the old caches go first: both may not fit at once
@@ -243,14 +243,31 @@ class Lane:
         target = max(ticket.P, content)
         if target + left > self.slots:
             return False
-        delta = target - self.slot
+        self._shift(target - self.slot)
+        return True
+
+    def _compact(self, first: int, n: int) -> None:
+        """Move the busy rows' slots to the front when that makes the attended window smaller
+        (``first`` is the earliest slot any busy row attends, ``n`` the next chunk's steps).
+
+        Requests that come and go keep moving the slot on; without this the window would
+        grow to the whole cache (every step reading every slot), and each new window size
+        compiles the decode functions again. Moving is one copy of the caches, about one
+        decode step's bytes, every few dozen steps."""
+        if first <= 0 or bucket(self.slot + n, 64, fine=False) <= bucket(
+                self.slot - first + n, 64, fine=False):
+            return
+        self._shift(-first)
+
+    def _shift(self, delta: int) -> None:
+        """Every cache slot moved by ``delta``, and the busy rows' padding with it."""
         self.pm.run(self.program.shift_fn(), (np.int32(delta),), what="moving the KV caches",
                     lock=self.lock)
         self.shifts += 1
-        for s in busy:
-            s.pad += delta
-        self.slot = target
-        return True
+        for s in self.seqs:
+            if s is not None:
+                s.pad += delta
+        self.slot += delta
 
     def _free_block(self, n: int) -> int | None:
         """The first row of ``n`` consecutive free rows (aligned to ``n``), or None."""
@@ -288,6 +305,7 @@ class Lane:
         B = bucket(busy[-1][0] + 1, 1, fine=False)
         n = min([CHUNK_STEPS, self.slots - self.slot] +
                 [min(s.remaining, s.chunk - s.made % s.chunk) for _, s in busy])
+        self._compact(min(s.pad for _, s in busy), n)
         window = min(self.slots, bucket(self.slot + n, 64, fine=False))
         tok = np.full((B,), pm.pad_id, np.int32)
         pad = np.full((B,), self.slot + 1, np.int32)  # free rows see nothing
