@@ -84,7 +84,7 @@ def rounds(send, requests: int, new: int) -> list[dict]:
     return out
 
 
-def bench_tfnb(model, prompt_ids, requests: int, new: int) -> dict:
+def bench_tfnb(model, prompt_ids, requests: int, new: int, predict: bool = True) -> dict:
     import tfnb
 
     results = {}
@@ -105,6 +105,8 @@ def bench_tfnb(model, prompt_ids, requests: int, new: int) -> dict:
             # replicated plan splits the batch over its copies itself)
             batch = PREDICT_AT if how.get("mode") == "replicate" else PREDICT_AT // lanes
             results[name] = {"rounds": rows, "lanes": lanes, "plan": str(plan.segments())}
+            if not predict:
+                continue
             try:  # the context of a lane's caches (256 slots), not the planner's default
                 predicted = tfnb.plan(model, cluster, batch=batch, context_len=256, **how)
                 results[name].update(predicted_at_8=predicted.prediction.throughput,
@@ -208,6 +210,8 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=48)
     ap.add_argument("--requests", type=int, default=2)
     ap.add_argument("--skip", nargs="*", default=[], choices=["tfnb", "hf", "llama.cpp"])
+    ap.add_argument("--no-predict", action="store_true",
+                    help="skip the planner's calibrated predictions (minutes per configuration)")
     args = ap.parse_args()
 
     import tfnb
@@ -221,7 +225,7 @@ def main() -> None:
     ids = model.tokenizer.encode(text)
     results = {}
     if "tfnb" not in args.skip:
-        results.update(bench_tfnb(model, ids, args.requests, args.new))
+        results.update(bench_tfnb(model, ids, args.requests, args.new, not args.no_predict))
     if "hf" not in args.skip:
         results.update(bench_hf(model, ids, args.requests, args.new))
     if "llama.cpp" not in args.skip:

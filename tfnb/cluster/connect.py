@@ -186,6 +186,9 @@ class Cluster:
         restarted = [names[r.address] for r in results if r.incarnation != self._incarnations.get(r.address)]
         _tell_tensorflow(self.spec, self.client_address)
         _make_current(self)
+        if restarted:
+            _await_restarted([r.devices[0].name for r in results if names[r.address] in
+                              restarted and r.devices], t)
         lost = self._lose(set(restarted), "a worker restarted") if restarted else []
         self._incarnations = {r.address: r.incarnation for r in results}
         self._devices = [d.name for r in results for d in r.devices]
@@ -248,6 +251,32 @@ class Cluster:
 
     def _repr_html_(self) -> str:
         return f"<b>{html.escape(repr(self))}</b>" + self._last._repr_html_()
+
+
+def _await_restarted(devices: list[str], timeout: float) -> None:
+    """Run one small op on each restarted worker's device, retrying while TensorFlow's channel
+    to it still refuses: right after a restart on the same port, the first calls failed with
+    "failed to connect to all addresses ... Connection refused" although the worker had
+    answered our probe (the old connection's failure outlives the process it belonged to)."""
+    import time
+
+    import tensorflow as tf
+    from tensorflow.python.eager import context
+
+    client_cpu = context.context().host_address_space() + "/device:CPU:0"
+    deadline = time.monotonic() + timeout
+    for device in devices:
+        while True:
+            try:
+                with tf.device(client_cpu):  # a client-side input: the wait frees the GIL
+                    x = tf.constant(0)
+                with tf.device(device):
+                    tf.identity(x).numpy()
+                break
+            except tf.errors.UnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
 
 
 def _tell_tensorflow(spec: ClusterSpec, client_address: str) -> None:

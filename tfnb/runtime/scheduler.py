@@ -35,6 +35,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass
 
@@ -133,7 +134,8 @@ class Lane:
     """
 
     def __init__(self, pm, index: int, cond: threading.Condition):
-        self.pm, self.index, self.cond = pm, index, cond
+        # a proxy: the placed model owns its scheduler, not the other way round
+        self.pm, self.index, self.cond = weakref.proxy(pm), index, cond
         self.lock = threading.Lock()   # one device call of this lane at a time
         self.pending: deque[Ticket] = deque()
         self.program = None
@@ -164,23 +166,38 @@ class Lane:
 
     # ----- the driver --------------------------------------------------------------------
 
-    def drive(self) -> None:
-        """The driver thread: admit, step, repeat; ends after ``IDLE_EXIT_S`` without work."""
-        cond = self.cond
+    @staticmethod
+    def drive(ref: "weakref.ref[Lane]", cond: threading.Condition) -> None:
+        """The driver thread: admit, step, repeat; ends after ``IDLE_EXIT_S`` without work, or
+        once its placed model is gone (it holds the lane only while it works, so dropping a
+        placed model frees its variables on the workers at once, as before batching)."""
+        idle_since = time.monotonic()
         while True:
             with cond:
-                if not self.pending and not self.busy_rows():
-                    cond.wait(IDLE_EXIT_S)
-                    if not self.pending and not self.busy_rows():
-                        self.thread = None
+                lane = ref()
+                if lane is None:
+                    return
+                if not lane.pending and not lane.busy_rows():
+                    if time.monotonic() - idle_since > IDLE_EXIT_S:
+                        lane.thread = None
                         return
+                    del lane
+                    cond.wait(1.0)
+                    continue
+            idle_since = time.monotonic()
             try:
-                self._retire()
-                self._admit()
-                if self.busy_rows():
-                    self._step()
+                lane._retire()
+                lane._admit()
+                if lane.busy_rows():
+                    lane._step()
+            except ReferenceError:  # the placed model was dropped while its last chunk ran
+                return
             except BaseException as e:  # noqa: BLE001 - every waiting caller gets it
-                self._fail(e)
+                try:
+                    lane._fail(e)
+                except ReferenceError:
+                    return
+            del lane
 
     def _fail(self, error: BaseException) -> None:
         """Hand ``error`` to every ticket in the lane; queued ones too when the placement is
@@ -223,13 +240,14 @@ class Lane:
         False when it must wait for busy rows to end."""
         n = bucket(len(ticket.seqs), 1, fine=False)
         if not self.busy_rows():
-            if n > self.rows or ticket.need > self.slots:
+            if self.program is None or n > self.rows or ticket.need > self.slots:
                 cfg = self.pm.config
-                self.rows = max(self.rows, n, self.pm.max_batch)
-                self.slots = max(self.slots, min(cfg.max_context, max(
+                rows = max(self.rows, n, self.pm.max_batch)
+                slots = max(self.slots, min(cfg.max_context, max(
                     MIN_SLOTS, bucket(ticket.need, 64, maximum=cfg.max_context))))
                 self.program = None  # the old caches go first: both may not fit at once
-                self.program = self.pm.program(self.rows, self.slots, owner=self.index)
+                self.program = self.pm.program(rows, slots, owner=self.index)
+                self.rows, self.slots = rows, slots
                 self.seqs, self.owners = [None] * self.rows, [None] * self.rows
             self.slot = ticket.P
             return True
@@ -364,7 +382,7 @@ class Scheduler:
     """
 
     def __init__(self, pm, n_lanes: int):
-        self.pm = pm
+        self.pm = weakref.proxy(pm)
         self.cond = threading.Condition()
         self.lanes = [Lane(pm, i, self.cond) for i in range(n_lanes)]
         self.served = 0
@@ -378,7 +396,8 @@ class Scheduler:
             lane.pending.append(ticket)
             self.served += 1
             if lane.thread is None:
-                lane.thread = threading.Thread(target=lane.drive,
+                lane.thread = threading.Thread(target=Lane.drive,
+                                               args=(weakref.ref(lane), self.cond),
                                                name=f"tfnb-lane-{lane.index}", daemon=True)
                 lane.thread.start()
             self.cond.notify_all()
