@@ -84,13 +84,18 @@ def rounds(send, requests: int, new: int) -> list[dict]:
     return out
 
 
-def bench_tfnb(model, prompt_ids, requests: int, new: int, predict: bool = True) -> dict:
+CONFIGS = (("tfnb 1 worker", 1, {}), ("tfnb split", 2, {"max_memory": "100MB"}),
+           ("tfnb replicas", 2, {"mode": "replicate"}))
+
+
+def bench_tfnb(model, prompt_ids, requests: int, new: int, predict: bool = True,
+               only=None) -> dict:
     import tfnb
 
     results = {}
-    configs = (("tfnb 1 worker", 1, {}), ("tfnb split", 2, {"max_memory": "100MB"}),
-               ("tfnb replicas", 2, {"mode": "replicate"}))
-    for name, n_workers, how in configs:
+    for name, n_workers, how in CONFIGS:
+        if only and name.split()[-1] not in only:
+            continue
         cluster = tfnb.local(n_workers, cpus=[str(i) for i in range(n_workers)])
         try:
             plan = tfnb.plan(model, cluster, calibrate=False, **how)
@@ -210,6 +215,8 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=48)
     ap.add_argument("--requests", type=int, default=2)
     ap.add_argument("--skip", nargs="*", default=[], choices=["tfnb", "hf", "llama.cpp"])
+    ap.add_argument("--only", nargs="*", choices=["worker", "split", "replicas"],
+                    help="tfnb configurations to run (default: all)")
     ap.add_argument("--no-predict", action="store_true",
                     help="skip the planner's calibrated predictions (minutes per configuration)")
     args = ap.parse_args()
@@ -225,7 +232,8 @@ def main() -> None:
     ids = model.tokenizer.encode(text)
     results = {}
     if "tfnb" not in args.skip:
-        results.update(bench_tfnb(model, ids, args.requests, args.new, not args.no_predict))
+        results.update(bench_tfnb(model, ids, args.requests, args.new, not args.no_predict,
+                                  args.only))
     if "hf" not in args.skip:
         results.update(bench_hf(model, ids, args.requests, args.new))
     if "llama.cpp" not in args.skip:
