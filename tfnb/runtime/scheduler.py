@@ -24,10 +24,13 @@ keep both workers busy, which one loop over both stages cannot (see the facts on
 
 Examples
 --------
->>> import threading                                                # doctest: +SKIP
+>>> import threading
 >>> out = {}
 >>> threads = [threading.Thread(target=lambda p=p: out.update({p: pm.generate(p)}))
-...            for p in ("Hi", "Hello there")]                      # both share one batch
+...            for p in ("Hi", "Hello there")]                      # doctest: +SKIP
+>>> for t in threads: t.start()                                     # doctest: +SKIP
+>>> pm.scheduler.lanes[0].peak_rows                                 # doctest: +SKIP
+2
 """
 
 from __future__ import annotations
