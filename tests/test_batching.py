@@ -7,6 +7,7 @@ import pytest
 
 import tfnb
 from tfnb.models import tiny
+from tests.test_replicas import concurrently
 
 PROMPTS = ["hello world", "the cat sat", "one two three four", "x y", "good morning", "a b c d e"]
 N = 24
@@ -23,27 +24,10 @@ def single(cluster, model):
     return placed, {p: placed.generate_ids(p, max_new_tokens=N) for p in PROMPTS}
 
 
-def _concurrently(fn, items):
-    out, threads = {}, []
-    for item in items:
-        def run(item=item):
-            try:
-                out[item] = fn(item)
-            except BaseException as e:  # noqa: BLE001
-                out[item] = e
-        threads.append(threading.Thread(target=run))
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not any(t.is_alive() for t in threads)
-    return out
-
-
 def test_concurrent_callers_share_a_batch_and_get_their_own_tokens(single):
     placed, expected = single
     lane = placed.scheduler.lanes[0]
-    got = _concurrently(lambda p: placed.generate_ids(p, max_new_tokens=N), PROMPTS)
+    got = concurrently(lambda p: placed.generate_ids(p, max_new_tokens=N), PROMPTS)
     assert got == expected
     assert lane.peak_rows > 1  # they ran together, not one after another
     stats = placed.last_stats
@@ -52,10 +36,10 @@ def test_concurrent_callers_share_a_batch_and_get_their_own_tokens(single):
 
 def test_arrivals_do_not_recompile_once_the_buckets_are_warm(single):
     placed, expected = single
-    _concurrently(lambda p: placed.generate_ids(p, max_new_tokens=N), PROMPTS)
+    concurrently(lambda p: placed.generate_ids(p, max_new_tokens=N), PROMPTS)
     graphs = placed.scheduler.lanes[0].program.graphs
     before = {k: g.experimental_get_tracing_count() for k, g in graphs.items()}
-    assert _concurrently(lambda p: placed.generate_ids(p, max_new_tokens=N), PROMPTS) == expected
+    assert concurrently(lambda p: placed.generate_ids(p, max_new_tokens=N), PROMPTS) == expected
     assert {k: g.experimental_get_tracing_count() for k, g in graphs.items()} == before
 
 
@@ -93,7 +77,7 @@ def test_mixed_sampling_in_one_batch(single):
     placed, expected = single
     sampled = dict(do_sample=True, temperature=0.9, top_k=20, seed=7, max_new_tokens=N)
     alone = placed.generate_ids(PROMPTS[2], **sampled)
-    got = _concurrently(
+    got = concurrently(
         lambda p: placed.generate_ids(p, **(sampled if p == PROMPTS[2] else
                                             dict(max_new_tokens=N))), PROMPTS)
     assert got[PROMPTS[2]] == alone
@@ -105,7 +89,7 @@ def test_a_split_model_runs_one_lane_per_worker(cluster, model, single):
     _, expected = single
     placed = tfnb.place(model, cluster.devices, cluster)
     assert len(placed.scheduler.lanes) == 2
-    got = _concurrently(lambda p: placed.generate_ids(p, max_new_tokens=N), PROMPTS)
+    got = concurrently(lambda p: placed.generate_ids(p, max_new_tokens=N), PROMPTS)
     assert got == expected
     assert all(lane.calls > 0 for lane in placed.scheduler.lanes)
 
@@ -149,11 +133,11 @@ def test_two_requests_on_a_split_model_keep_both_workers_busy_at_once(cluster):
                                 for i, s in enumerate(names)}, cluster)
     placed.eos_ids = ()
     prompts = ["hello world", "the cat sat"]
-    _concurrently(lambda p: placed.generate_ids(p, max_new_tokens=40), prompts)  # compile
+    concurrently(lambda p: placed.generate_ids(p, max_new_tokens=40), prompts)  # compile
     with tfnb.profiler.profile(cluster, timeout=30) as alone:
         placed.generate_ids(prompts[0], max_new_tokens=40)
     with tfnb.profiler.profile(cluster, timeout=30) as two:
-        _concurrently(lambda p: placed.generate_ids(p, max_new_tokens=40), prompts)
+        concurrently(lambda p: placed.generate_ids(p, max_new_tokens=40), prompts)
     assert not alone.partial and not two.partial, (alone.reasons, two.reasons)
     (one_both, one_min), (two_both, two_min) = _overlap_ms(alone, w0, w1), _overlap_ms(two, w0, w1)
     assert two_both > 0.3 * two_min, (two_both, two_min)   # both at once much of the time

@@ -24,7 +24,8 @@ def setup(own_cluster):
     return cluster, model, placed, expected
 
 
-def _concurrently(fn, items):
+def concurrently(fn, items):
+    """``fn(item)`` for every item, each in its own thread; results (or errors) by item."""
     out, threads = {}, []
     for item in items:
         def run(item=item):
@@ -55,7 +56,7 @@ def test_concurrent_requests_run_on_both_replicas_with_the_same_tokens(setup):
     for p in PROMPTS[:2]:  # compile on both replicas before the concurrent round
         placed.generate_ids(p, max_new_tokens=24)
     before = dict(placed.served)
-    got = _concurrently(lambda p: placed.generate_ids(p, max_new_tokens=24), PROMPTS)
+    got = concurrently(lambda p: placed.generate_ids(p, max_new_tokens=24), PROMPTS)
     assert got == expected
     served = {d: placed.served[d] - before[d] for d in placed.served}
     assert sum(served.values()) == len(PROMPTS) and all(n > 0 for n in served.values()), served
@@ -80,7 +81,7 @@ def test_a_replica_whose_worker_dies_is_dropped_and_the_other_keeps_serving(own_
     try:
         start = time.monotonic()
         with pytest.warns(ReplicaLostWarning, match="task:1"):
-            results = _concurrently(lambda p: placed.generate_ids(p, max_new_tokens=24), PROMPTS[:4])
+            results = concurrently(lambda p: placed.generate_ids(p, max_new_tokens=24), PROMPTS[:4])
         assert time.monotonic() - start < 30
         assert results == {p: expected[p] for p in PROMPTS[:4]}
         assert placed.devices == [cluster.devices[0]]
