@@ -1,10 +1,16 @@
-"""The placement editor, driven headless as a user would: rows, auto/manual, figures, Apply, files.
+"""The placement editor, driven headless as a user would: ranges, rows, auto/manual, figures, Apply,
+files.
 
 Everything goes through the editor's public methods or its widgets' values (what a browser would
 set); no front-end is needed.
 """
+import doctest
+import html
+import importlib
 import json
+import re
 import sys
+import time
 
 import ipywidgets as W
 import numpy as np
@@ -17,6 +23,7 @@ from tfnb.models import Model, tiny
 from tfnb.models.llama import LlamaConfig
 from tfnb.notebook.widgets import PlacementEditor
 from tfnb.notebook.widgets.layout import _load_upload
+from tfnb.notebook.widgets.ranges import NONE
 from tfnb.placement import Plan, Topology
 from tfnb.placement import plan as make_plan
 
@@ -39,6 +46,23 @@ def long_model():
     return Model("smol-shape", "llama", LlamaConfig(vocab_size=49152, hidden_size=576,
                                                     n_layers=30, n_heads=9, n_kv_heads=3,
                                                     ffn_size=1536))
+
+
+def chain_model(n_stages: int) -> Model:
+    """A decoder of ``n_stages`` stages (embed, blocks, head) with SmolLM2's widths, no weights."""
+    return Model(f"shape-{n_stages}", "llama", LlamaConfig(
+        vocab_size=49152, hidden_size=576, n_layers=n_stages - 2, n_heads=9, n_kv_heads=3,
+        ffn_size=1536))
+
+
+def workers(n: int) -> list[str]:
+    return [f"/job:worker/replica:0/task:{i}/device:CPU:0" for i in range(n)]
+
+
+def _spans(editor) -> list[str]:
+    """The dataflow picture's box labels, top to bottom."""
+    return re.findall(r'<g class="tfnb-segment".*?<text[^>]*>([^<]*)</text>',
+                      editor.widgets.svg.value)
 
 
 def _other(editor, stage):
@@ -240,6 +264,143 @@ def test_long_chains_scroll_inside_the_table_instead_of_squashing_rows(long_mode
     shrink unless told not to.
     """
     editor = PlacementEditor(long_model, ["a", "b"])
+    editor.widgets.detail.selected_index = 0               # open the per-stage detail
     table = editor.rows.widget.children[1]
     assert table.layout.max_height == "460px" and table.layout.overflow == "auto"
     assert all(box.layout.flex == "0 0 auto" for box in editor.rows.boxes.values())
+
+
+def test_one_row_per_device_and_the_per_stage_rows_a_collapsed_lazy_detail(long_model):
+    devices = workers(2)
+    editor = PlacementEditor(long_model, Topology(devices, memory="2GB"), mode="manual")
+    editor.set_ranges({devices[0]: ("embed", "block.11"), devices[1]: ("block.12", "head")})
+    ranges = editor.range_rows
+    assert ranges.order == tuple(devices) and list(editor.ranges) == devices
+    assert [(ranges.firsts[d].label, ranges.lasts[d].label) for d in devices] == \
+        [("embed", "block.11"), ("block.12", "head")]
+    assert ranges.summaries[devices[1]].value == "19 stages"
+    assert _spans(editor) == ["embed .. block.11 (13)", "block.12 .. head (19)"]
+    detail = editor.widgets.detail
+    assert detail.selected_index is None and "per-stage detail (32 stages)" in detail.titles[0]
+    assert not editor.rows.built and editor.rows.widget.children == ()   # nothing made yet
+    assert detail.children == (editor.rows.widget,) and editor.widgets.detail in \
+        editor.children[3].children[0].children
+    detail.selected_index = 0                              # a user opens it
+    assert editor.rows.built and len(editor.rows.widget.children) == 2
+    assert {s: d.value for s, d in editor.rows.dropdowns.items()} == editor.assignment
+    editor.rows.dropdowns["block.12"].value = devices[0]   # a per-stage edit shows in the ranges
+    assert ranges.lasts[devices[0]].label == "block.12" and editor.ranges[devices[1]] == \
+        [("block.13", "head")]
+
+
+def test_a_range_edit_on_200_stages_and_8_devices_updates_everything(capsys):
+    model, devices = chain_model(200), workers(8)
+    editor = PlacementEditor(model, Topology(devices, memory="4GB"), mode="manual")
+    names = model.chain.names
+    editor.set_ranges([(d, 25 * i, 25 * i + 24) for i, d in enumerate(devices)])
+    editor.widgets.detail.selected_index = 0
+    assert editor.plan.segments() == [seg for seg in editor.plan.segments()] and \
+        [len(seg.stages) for seg in editor.plan.segments()] == [25] * 8
+    before, svg, figures = editor.plan.prediction, editor.widgets.svg.value, \
+        editor.widgets.figures.value
+    memory = {d: editor.bars.labels[d].value for d in devices}
+    start = time.perf_counter()
+    editor.range_rows.lasts[devices[2]].value = 59          # worker:2 runs 10 fewer stages
+    took = time.perf_counter() - start
+    with capsys.disabled():
+        print(f"\n200 stages on 8 devices: one range edit took {took * 1e3:.1f} ms "
+              "(benchmarks/bench_editor.py times it)")
+    want = [d for i, d in enumerate(devices) for _ in range(25)]
+    want[50:60], want[60:75] = [devices[2]] * 10, [devices[3]] * 15
+    assert editor.assignment == dict(zip(names, want))
+    assert editor.ranges[devices[3]] == [(names[60], names[99])]      # the next device's first
+    assert editor.range_rows.firsts[devices[3]].label == names[60] == "block.59"
+    assert editor.status == "worker:2/CPU:0 runs block.49 .. block.58" and editor.error == ""
+    after = editor.plan.prediction
+    assert after != before and after.memory[devices[3]] > before.memory[devices[3]]
+    assert editor.widgets.figures.value != figures and editor.widgets.svg.value != svg
+    assert _spans(editor)[2:4] == ["block.49 .. block.58 (10)", "block.59 .. block.98 (40)"]
+    assert editor.bars.labels[devices[3]].value != memory[devices[3]]
+    assert {s: d.value for s, d in editor.rows.dropdowns.items()} == editor.assignment
+    editor.range_rows.firsts[devices[2]].value = 45         # its first moves worker:1's last
+    assert editor.ranges[devices[1]] == [(names[25], names[44])]
+    assert editor.rows.dropdowns[names[45]].value == devices[2]
+
+
+def test_bad_ranges_are_refused_with_one_clear_message():
+    model, devices = chain_model(40), workers(4)
+    editor = PlacementEditor(model, Topology(devices, memory="4GB"), mode="manual")
+    editor.set_ranges({d: (10 * i, 10 * i + 9) for i, d in enumerate(devices)})
+    kept, names = dict(editor.assignment), model.chain.names
+    for args, words in [((devices[1], "block.99", "head"), ["first='block.99'", "'embed' .. "
+                                                           "'head'", "0 .. 39"]),
+                        ((devices[1], 15, 12), ["comes after", "first <= last"]),
+                        ((devices[1], 22, 25), ["worker:2/CPU:0 would run 2 separate ranges"]),
+                        ((devices[1], 5, 35), ["takes every stage of worker:2/CPU:0",
+                                               "'—' in worker:2/CPU:0's row"]),
+                        (("worker:9/CPU:0", 0, 3), ["'worker:9/CPU:0'", "expected one of"])]:
+        with pytest.raises(PlacementError) as info:
+            editor.set_range(*args)
+        assert all(w in str(info.value) for w in words), (args, str(info.value))
+        assert "\n" not in str(info.value)
+    assert editor.assignment == kept
+    for ranges, word in [({devices[0]: (0, 20), devices[1]: (15, "head")}, "in the ranges of both"),
+                         ({devices[0]: (0, 20), devices[1]: (22, "head")}, "no device for 'block.20'"),
+                         ({devices[0]: "embed"}, "expected (first, last)"),
+                         ({"nowhere": (0, "head")}, "'nowhere' is not in the topology")]:
+        with pytest.raises(PlacementError, match=re.escape(word)):
+            editor.set_ranges(ranges)
+    last = editor.range_rows.lasts[devices[0]]
+    last.value = 35                                       # what a browser would send
+    assert editor.error.startswith("range of worker:0/CPU:0") and "takes every stage" in \
+        editor.error and html.escape(editor.error) in editor.widgets.status.value
+    assert last.value == 9 and editor.assignment == kept    # the menu went back to the plan
+    last.value = 11                                       # a good edit clears the error
+    assert editor.error == "" and editor.ranges[devices[1]] == [(names[12], names[19])]
+
+
+def test_a_device_joins_hands_over_and_leaves_the_pipeline():
+    model, devices = chain_model(24), workers(3)
+    editor = PlacementEditor(model, Topology(devices, memory="4GB"), mode="auto")
+    editor.set_ranges({devices[0]: (0, 11), devices[1]: (12, 23)})
+    assert editor.mode == "manual" and editor.range_rows.order == tuple(devices)
+    new = editor.range_rows
+    assert (new.firsts[devices[2]].value, new.summaries[devices[2]].value) == (NONE, "unused")
+    new.lasts[devices[2]].value = 23                      # an unused device picks the head
+    assert editor.ranges == {devices[0]: [("embed", "block.10")],
+                             devices[1]: [("block.11", "block.21")], devices[2]: [("head", "head")]}
+    new.firsts[devices[2]].value = 20                     # then grows up to block.19
+    assert editor.ranges[devices[2]] == [("block.19", "head")]
+    editor.set_range(devices[0], "block.11", "block.18")  # exactly worker:1's range: hand-over
+    assert list(editor.ranges) == [devices[1], devices[0], devices[2]]
+    assert editor.ranges[devices[1]] == [("embed", "block.10")]
+    assert new.order == (devices[1], devices[0], devices[2])       # rows in pipeline order
+    new.firsts[devices[0]].value = NONE                   # "—": worker:0 leaves the pipeline
+    assert editor.ranges == {devices[1]: [("embed", "block.18")], devices[2]: [("block.19", "head")]}
+    assert new.order[-1] == devices[0] and new.summaries[devices[0]].value == "unused"
+    editor.set_range(devices[1])
+    assert editor.ranges == {devices[2]: [("embed", "head")]}
+    with pytest.raises(PlacementError, match="runs every stage"):
+        editor.set_range(devices[2])
+
+
+def test_non_contiguous_plans_show_every_run_and_a_range_edit_packs_them():
+    model, devices = chain_model(12), workers(2)
+    editor = PlacementEditor(model, Topology(devices, memory="4GB"), mode="manual")
+    names = model.chain.names
+    editor.assignment = {s: devices[k % 2] for k, s in enumerate(names)}   # alternating
+    assert [len(r) for r in editor.ranges.values()] == [6, 6] and len(_spans(editor)) == 12
+    summary = editor.range_rows.summaries[devices[0]].value
+    assert summary.startswith("6 stages in 6 runs: embed, block.1, ") and summary.endswith("block.9")
+    assert (editor.range_rows.firsts[devices[1]].label,
+            editor.range_rows.lasts[devices[1]].label) == ("block.0", "head")   # its span
+    editor.set_range(devices[0], "embed", "block.5")      # packed first (6 + 6), then edited
+    assert editor.ranges == {devices[0]: [("embed", "block.5")], devices[1]: [("block.6", "head")]}
+    assert _spans(editor) == ["embed .. block.5 (7)", "block.6 .. head (5)"]
+
+
+@pytest.mark.parametrize("module", ["ranges", "views", "layout", "placement", "dataflow"])
+def test_docstring_examples_run(module):
+    mod = importlib.import_module(f"tfnb.notebook.widgets.{module}")
+    result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0

@@ -1,19 +1,22 @@
 """The placement editor's widgets and their wiring: every handler calls one editor method.
 
-Layout, top to bottom: header; mode / planner / objective controls; the stage table beside the
-dataflow picture; memory bars; predicted figures; Apply with its status; export and load.
+Layout, top to bottom: header; mode / planner / objective controls; the range table (one row per
+device, first and last stage) over the collapsed per-stage detail, beside the dataflow picture;
+memory bars; predicted figures; Apply with its status; export and load.
 """
 from __future__ import annotations
 
 import html
 import json
 from dataclasses import dataclass
+from functools import partial
 
 import ipywidgets as W
 from traitlets import link
 
-from tfnb.errors import TfnbError
+from tfnb.errors import PlacementError, TfnbError
 from tfnb.names import EDITOR_MODES, OBJECTIVES, PIPELINE_PLANNERS
+from tfnb.notebook.widgets.ranges import NONE, RangeRows
 from tfnb.notebook.widgets.views import STYLE, MemoryBars, StageRows, one_line
 
 __all__ = ["build", "EditorWidgets"]
@@ -27,7 +30,9 @@ class EditorWidgets:
     that only forward user input to the editor).
     """
 
-    rows: StageRows
+    ranges: RangeRows    # one row per device: first and last stage
+    rows: StageRows      # one row per stage, built when ``detail`` is first opened
+    detail: W.Accordion  # the collapsed per-stage detail
     bars: MemoryBars
     svg: W.HTML          # the dataflow picture
     figures: W.HTML      # predicted figures
@@ -69,7 +74,11 @@ def build(editor) -> EditorWidgets:
     for w, name in ((mode_w, "mode"), (planner_w, "planner"), (objective_w, "objective")):
         link((editor, name), (w, "value"))
 
-    rows = StageRows(chain, topo.devices, on_pick=editor.set_device)
+    ranges = RangeRows(chain.names, topo.devices, on_range=partial(_pick_range, editor))
+    rows = StageRows(chain, topo.devices, on_pick=editor.set_device, lazy=True)
+    detail = W.Accordion(children=[rows.widget], titles=(f"per-stage detail ({len(chain)} "
+                                                         "stages)",), selected_index=None)
+    detail.observe(lambda change: change["new"] is not None and rows.build(), "selected_index")
     bars = MemoryBars(topo.devices, dict(zip(topo.devices, topo.memory.tolist())))
     svg_w, figures_w = W.HTML(layout=W.Layout(margin="0 0 0 16px")), W.HTML()
     apply_w = W.Button(description="Apply", button_style="primary", icon="check")
@@ -91,11 +100,11 @@ def build(editor) -> EditorWidgets:
 
     children = (
         header, W.HBox([mode_w, planner_w]), objective_w,
-        W.HBox([rows.widget, W.VBox([_title("dataflow"), svg_w])]),
+        W.HBox([W.VBox([ranges.widget, detail]), W.VBox([_title("dataflow"), svg_w])]),
         _title("memory per device (parameters + KV cache)"), bars.widget,
         figures_w, W.HBox([apply_w, status_w]), reason_w, more)
-    return EditorWidgets(rows, bars, svg_w, figures_w, apply_w, status_w, reason_w, download_w,
-                         json_w, python_w, children)
+    return EditorWidgets(ranges, rows, detail, bars, svg_w, figures_w, apply_w, status_w,
+                         reason_w, download_w, json_w, python_w, children)
 
 
 def _guarded(editor, fn, *args) -> None:
@@ -104,6 +113,19 @@ def _guarded(editor, fn, *args) -> None:
         fn(*args)
     except (OSError, TfnbError) as e:
         editor.report(error=one_line(e))
+
+
+def _pick_range(editor, device: str, first: int, last: int) -> None:
+    """A range picked in a row (stage positions, ``NONE``: take the device out of the pipeline);
+    a refused range becomes the editor's one-line error and the menus go back to the plan."""
+    try:
+        if first == NONE:
+            editor.set_range(device)
+        else:
+            editor.set_range(device, first, last)
+    except PlacementError as e:
+        editor.report(error=one_line(e))
+        editor.widgets.ranges.show(editor.assignment, editor.over_memory, force=True)
 
 
 def _load_upload(editor, files) -> None:

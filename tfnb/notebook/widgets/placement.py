@@ -1,10 +1,15 @@
 """``PlacementEditor``: choose, inspect and apply which device runs each stage of a model.
 
-All state lives in traitlets (``mode``, ``planner``, ``objective``, ``assignment``, ``plan``,
-``apply_disabled_reason``, ``placed`` ...); the widgets only show it. Every change goes through a
-few core methods (:meth:`PlacementEditor.replan`, :meth:`~PlacementEditor.set_device`,
+All state lives in traitlets (``mode``, ``planner``, ``objective``, ``assignment``, ``ranges``,
+``plan``, ``apply_disabled_reason``, ``placed`` ...); the widgets only show it. Every change goes
+through a few core methods (:meth:`PlacementEditor.replan`, :meth:`~PlacementEditor.set_range`,
+:meth:`~PlacementEditor.set_ranges`, :meth:`~PlacementEditor.set_device`,
 :meth:`~PlacementEditor.apply`, :meth:`~PlacementEditor.load`), which is also how code and tests
 drive the editor without a browser.
+
+The editor edits by ranges: one row per device with its first and last stage (the rules of a
+range edit are in :mod:`tfnb.notebook.widgets.ranges`); the per-stage rows are a collapsed
+detail, made when first opened.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from tfnb.names import AUTO, EDITOR_MODES, MANUAL, OBJECTIVES, PIPELINE_PLANNERS
     short_device
 from tfnb.notebook.widgets.dataflow import plan_svg
 from tfnb.notebook.widgets.layout import build
+from tfnb.notebook.widgets.ranges import device_runs, from_ranges, with_range
 from tfnb.notebook.widgets.views import editor_text, figures_html, one_line
 from tfnb.placement.apply import place
 from tfnb.placement.cost import DEFAULT_CONTEXT_LEN, Topology, predict
@@ -94,6 +100,17 @@ def apply_blocker(busy: bool, over_memory: dict) -> str:
     return ""
 
 
+def format_span_of(runs) -> str:
+    """``[("embed", "block.3"), ("head", "head")]`` as ``'embed .. block.3, head'``.
+
+    Examples
+    --------
+    >>> format_span_of([("embed", "block.3"), ("head", "head")])
+    'embed .. block.3, head'
+    """
+    return ", ".join(a if a == b else f"{a} .. {b}" for a, b in runs)
+
+
 class PlacementEditor(W.VBox):
     """A widget to place a model's stages on a cluster's devices, automatically or by hand.
 
@@ -114,11 +131,14 @@ class PlacementEditor(W.VBox):
     --------
     >>> from tfnb.models import tiny
     >>> editor = PlacementEditor(tiny("llama"), ["a", "b"], planner="greedy")
-    >>> editor.plan.mode, len(editor.rows.boxes)
-    ('greedy', 4)
-    >>> plan = editor.set_device("head", "b")     # editing a row switches to manual
-    >>> editor.mode, editor.assignment["head"]
-    ('manual', 'b')
+    >>> editor.plan.mode, editor.ranges
+    ('greedy', {'a': [('embed', 'head')]})
+    >>> plan = editor.set_range("b", "block.1", "head")   # editing switches to manual
+    >>> editor.mode, editor.ranges
+    ('manual', {'a': [('embed', 'block.0')], 'b': [('block.1', 'head')]})
+    >>> plan = editor.set_device("block.0", "b")          # one stage, as in the detail rows
+    >>> editor.ranges["b"], len(editor.rows.boxes)
+    ([('block.0', 'head')], 4)
     """
 
     mode = Enum(EDITOR_MODES, AUTO, help="auto: a planner fills the rows; manual: edit "
@@ -131,6 +151,8 @@ class PlacementEditor(W.VBox):
     batch = Int(1, help="sequences per step the memory (KV cache) and figures are computed for")
     context_len = Int(DEFAULT_CONTEXT_LEN, help="tokens of context the KV cache is sized for")
     assignment = Dict(help="stage -> full TF device name, every stage in chain order")
+    ranges = Dict(read_only=True, help="device -> [(first stage, last stage), ...]: each "
+                  "device's runs, devices in chain order (one run each when contiguous)")
     plan = Instance(Plan, allow_none=True, read_only=True,
                     help="the current Plan (with its prediction), rebuilt on every change")
     over_memory = Dict(read_only=True, help="{device: (bytes needed, cap)} of over-full devices")
@@ -164,7 +186,8 @@ class PlacementEditor(W.VBox):
             else context_len
         self.objective, self.planner, self.mode = objective, planner, mode
         self.widgets = build(self)
-        self.rows, self.bars = self.widgets.rows, self.widgets.bars
+        self.range_rows, self.rows = self.widgets.ranges, self.widgets.rows
+        self.bars = self.widgets.bars
         self.children = self.widgets.children
         self.assignment = dict.fromkeys(chain.names, topology.devices[0])
         self._ready = True
@@ -264,6 +287,55 @@ class PlacementEditor(W.VBox):
         device = resolve_device(device, self.topology.devices)
         if self.assignment[stage] != device:
             self.assignment = {**self.assignment, stage: device}
+        return self.plan
+
+    def set_range(self, device: str, first=None, last=None) -> Plan:
+        """Run stages ``first .. last`` (names or positions) on ``device``; neighbours follow.
+
+        Moving one device's last stage moves the next device's first stage; exactly another
+        device's range hands it over (that device drops out); with neither ``first`` nor
+        ``last`` the device leaves the pipeline (its stages go to the device before it). A plan where a device runs
+        several separate runs is packed first (same number of stages per device, devices in
+        order of their first stage), so the result is always contiguous. Switches auto to
+        manual. A range that would split another device in two, or take all of its stages,
+        raises ``PlacementError`` naming it.
+
+        Examples
+        --------
+        >>> editor.set_range("worker:1/CPU:0", "block.12", "head")   # doctest: +SKIP
+        Plan(manual, latency: 2 devices, 2 segments, 0.81 ms/token)
+        >>> editor.set_range("worker:2/CPU:0", "block.20", "head")   # doctest: +SKIP
+        Plan(manual, latency: 3 devices, 3 segments, 0.93 ms/token)
+        """
+        device = resolve_device(device, self.topology.devices)
+        before = set(self.assignment.values())
+        new = with_range(self.assignment, self.model.chain.names, device, first, last)
+        if new != self.assignment:
+            self.assignment = new
+        gone = sorted(short_device(d) for d in before - set(new.values()) if d != device)
+        runs = self.ranges.get(device)
+        what = (f"{short_device(device)} runs {format_span_of(runs)}" if runs else
+                f"{short_device(device)} runs no stage")
+        self.report(status=what + (f"; {', '.join(gone)} now run(s) nothing" if gone else ""))
+        return self.plan
+
+    def set_ranges(self, ranges) -> Plan:
+        """Place by ranges at once: ``{device: (first, last)}`` or ``[(device, first, last)]``
+        covering every stage exactly once (stages by name or position). Switches to manual.
+
+        Examples
+        --------
+        >>> editor.set_ranges({"worker:0/CPU:0": ("embed", "block.14"),      # doctest: +SKIP
+        ...                    "worker:1/CPU:0": ("block.15", "head")})
+        Plan(manual, latency: 2 devices, 2 segments, 0.81 ms/token)
+        """
+        new = from_ranges(self.model.chain.names, ranges)
+        try:
+            new = {s: resolve_device(d, self.topology.devices) for s, d in new.items()}
+        except PlacementError as e:
+            raise PlacementError(f"ranges: {e}") from None
+        if new != self.assignment:
+            self.assignment = new
         return self.plan
 
     def on_apply(self, callback, remove: bool = False) -> None:
@@ -386,6 +458,10 @@ class PlacementEditor(W.VBox):
         over = plan.prediction.over_memory()
         self.set_trait("plan", plan)
         self.set_trait("over_memory", over)
+        names = self.model.chain.names
+        self.set_trait("ranges", {d: [(names[a], names[b]) for a, b in rs] for d, rs in
+                                  device_runs(self.assignment, names).items()})
+        self.range_rows.show(self.assignment, over)
         self.rows.show(self.assignment, over, changed)
         self.bars.show(plan.prediction)
         w = self.widgets

@@ -1,6 +1,7 @@
 """The pieces the placement editor is drawn with; each updates only the widgets whose value changed.
 
-- :class:`StageRows`: the table, one row per stage (name, parameter MB, device dropdown).
+- :class:`StageRows`: the per-stage table, one row per stage (name, parameter MB, device
+  dropdown); the range table is :class:`tfnb.notebook.widgets.ranges.RangeRows`.
 - :class:`MemoryBars`: one bar per device, memory needed against its cap.
 - :func:`figures_html`, :func:`editor_text`: the predicted figures, and the text fallback.
 
@@ -22,7 +23,7 @@ __all__ = ["StageRows", "MemoryBars", "figures_html", "editor_text", "one_line",
 
 # Classes used by the rows; the editor puts this <style> in its header (no network, no files).
 STYLE = ("<style>.tfnb-over{background:#fde2e2;border-left:4px solid #c00}"
-         ".tfnb-row{border-left:4px solid transparent}.tfnb-status-error{color:#c00}</style>")
+         ".tfnb-row,.tfnb-range{border-left:4px solid transparent}.tfnb-status-error{color:#c00}</style>")
 _OVER_CLASS = "tfnb-over"
 
 
@@ -47,42 +48,77 @@ class StageRows:
     """One row per stage: name, parameter MB, a device dropdown (short labels, full values).
 
     ``on_pick(stage, device)`` is called when the user picks a device; :meth:`show` sets the
-    dropdowns without calling it back.
+    dropdowns without calling it back. With ``lazy=True`` the rows are made on first use
+    (:meth:`build`, or reading ``dropdowns``/``boxes``/``names``): 200 dropdowns take most of a
+    second to make, and the editor keeps them in a collapsed detail.
 
     Examples
     --------
     >>> from tfnb.models import tiny
-    >>> rows = StageRows(tiny("llama").chain, ["a", "b"], on_pick=print)
+    >>> rows = StageRows(tiny("llama").chain, ["a", "b"], on_pick=print, lazy=True)
     >>> rows.show(dict.fromkeys(tiny("llama").chain.names, "b"), over=())
-    >>> rows.dropdowns["head"].value
-    'b'
+    >>> rows.built, rows.dropdowns["head"].value, rows.built
+    (False, 'b', True)
     """
 
-    def __init__(self, chain, devices, on_pick):
-        self._on_pick, self._syncing = on_pick, False
-        options = [(short_device(d), d) for d in devices]
-        colors = device_colors(devices)
-        self.names, self.dropdowns, self.boxes = {}, {}, {}
+    def __init__(self, chain, devices, on_pick, lazy: bool = False):
+        self._chain, self._devices = chain, list(devices)
+        self._on_pick, self._syncing, self._built = on_pick, False, False
+        self._colors = device_colors(devices)
         self._over: set[str] = set()
         self._shown: dict[str, str] = {}
+        self._pending = None          # the last (assignment, over) shown before the rows existed
+        self.widget = W.VBox([])
+        if not lazy:
+            self.build()
+
+    @property
+    def built(self) -> bool:
+        """Whether the row widgets exist yet."""
+        return self._built
+
+    @property
+    def dropdowns(self) -> dict:
+        self.build()
+        return self._dropdowns
+
+    @property
+    def boxes(self) -> dict:
+        self.build()
+        return self._boxes
+
+    @property
+    def names(self) -> dict:
+        self.build()
+        return self._names
+
+    def build(self) -> None:
+        """Make the rows (once) and show the last assignment given to :meth:`show`."""
+        if self._built:
+            return
+        options = [(short_device(d), d) for d in self._devices]
+        self._names, self._dropdowns, self._boxes = {}, {}, {}
         boxes = []
-        for stage in chain:
+        for stage in self._chain:
             name = W.HTML(html.escape(stage.name), layout=W.Layout(width="150px"))
             size = W.Label(f"{stage.param_bytes / 1e6:,.2f}", layout=W.Layout(width="90px"))
             pick = W.Dropdown(options=options, layout=W.Layout(width="200px"))
             pick.observe(partial(self._picked, stage.name), "value")
             box = W.HBox([name, size, pick], layout=W.Layout(flex="0 0 auto"))  # no squashing
             box.add_class("tfnb-row")
-            self.names[stage.name], self.dropdowns[stage.name], self.boxes[stage.name] = \
+            self._names[stage.name], self._dropdowns[stage.name], self._boxes[stage.name] = \
                 name, pick, box
             boxes.append(box)
-        self._colors = colors
         head = W.HTML("<b>stage</b>", layout=W.Layout(width="150px"))
         header = W.HBox([head, W.HTML("<b>params MB</b>", layout=W.Layout(width="90px")),
                          W.HTML("<b>device</b>")])
         # Long chains scroll inside the table (ipywidgets 8 knows ``overflow``, not overflow_y).
-        self.widget = W.VBox([header, W.VBox(boxes, layout=W.Layout(
-            max_height="460px", overflow="auto", flex_flow="column"))])
+        self.widget.children = [header, W.VBox(boxes, layout=W.Layout(
+            max_height="460px", overflow="auto", flex_flow="column"))]
+        self._built = True
+        if self._pending is not None:
+            self.show(*self._pending)
+            self._pending = None
 
     def _picked(self, stage: str, change) -> None:
         if not self._syncing:
@@ -90,14 +126,17 @@ class StageRows:
 
     def show(self, assignment: dict, over, changed=None) -> None:
         """Show ``assignment``; mark the rows on ``over`` devices. Touches changed rows only."""
+        if not self._built:
+            self._pending = (assignment, over)
+            return
         self._syncing = True
         try:
             for stage in assignment if changed is None else changed:
                 device = assignment[stage]
                 if self._shown.get(stage) != device:
-                    self.dropdowns[stage].value = device
+                    self._dropdowns[stage].value = device
                     color = self._colors.get(device, "#ddd")
-                    self.names[stage].value = (
+                    self._names[stage].value = (
                         f'<span style="border-left:10px solid {color};padding-left:4px">'
                         f"{html.escape(stage)}</span>")
                     self._shown[stage] = device
@@ -106,7 +145,7 @@ class StageRows:
         for stage, device in assignment.items():
             bad = device in over
             if bad != (stage in self._over):
-                box = self.boxes[stage]
+                box = self._boxes[stage]
                 (box.add_class if bad else box.remove_class)(_OVER_CLASS)
                 (self._over.add if bad else self._over.discard)(stage)
 
