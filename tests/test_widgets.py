@@ -404,3 +404,16 @@ def test_docstring_examples_run(module):
     mod = importlib.import_module(f"tfnb.notebook.widgets.{module}")
     result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0
+
+
+def test_a_fragmented_plan_is_drawn_as_one_strip_not_200_boxes():
+    model, devices = chain_model(200), workers(8)
+    editor = PlacementEditor(model, Topology(devices, memory="8GB"), mode="manual")
+    names = model.chain.names
+    editor.assignment = {s: devices[k % 8] for k, s in enumerate(names)}
+    svg = editor.widgets.svg.value
+    assert "tfnb-strip" in svg and svg.count('class="tfnb-run"') == 200
+    assert svg.count('class="tfnb-legend"') == 8 and "worker:0/CPU:0: 25 stages in 25 runs" in svg
+    assert "200 segments, 199 hops" in svg and int(re.search(r'height="(\d+)"', svg)[1]) < 500
+    editor.set_range(devices[0], "embed", "block.30")      # packed: one box per device again
+    assert "tfnb-strip" not in editor.widgets.svg.value and len(_spans(editor)) == 8
