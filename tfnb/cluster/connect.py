@@ -26,6 +26,7 @@ from tfnb.cluster.security import (ExposedServerWarning, client_guard, client_gu
 from tfnb.cluster.spec import ClusterSpec, parse_address, parse_spec, split_address
 from tfnb.cluster.status import ClusterStatus, gather
 from tfnb.errors import ClusterError, NotConnectedError, SpecError, UnreachableError
+from tfnb.hooks import workers_stopping
 
 CLIENT_JOB = "tfnb_client"
 _lock = threading.RLock()
@@ -199,9 +200,17 @@ class Cluster:
     def disconnect(self) -> None:
         """Forget this cluster: placed models on it become unusable; workers keep running.
 
+        Profiles of this cluster whose traces are still coming in are given up to 10 s to take
+        them in first (``tfnb.profiler.capture.STOP_WAIT_S``), so reading one later needs no
+        worker; a trace still on its way after that keeps coming in.
+
         TensorFlow has no call to drop a remote context; the workers release it when their
         keep-alive expires (600 s) or when another cluster is connected.
         """
+        workers_stopping(self.spec.addresses, "the cluster was disconnected", final=False)
+        self._forget()
+
+    def _forget(self) -> None:
         global _current
         with _lock:
             self._lose(None, "the cluster was disconnected")
@@ -214,6 +223,9 @@ class Cluster:
 
         Functions and tensors nobody holds any more are released while the workers still
         answer, so TensorFlow does not log a failed remote clean-up for each of them later.
+        Profiles of these workers take in the traces still on their way first, and a profiled
+        block still running is ended there (see :meth:`LocalCluster.close`): a profile read after
+        ``stop()`` is complete, or ``partial`` with a reason saying it was stopped first.
 
         This process's own TF server, which ``connect`` started, keeps listening: TensorFlow
         cannot stop it, and it ends with the process. If it was guarded (an ``isolate=True``
@@ -221,8 +233,10 @@ class Cluster:
         cluster is connected, an :class:`~tfnb.cluster.security.ExposedServerWarning` says so:
         restart the kernel to close it.
         """
-        self.disconnect()
-        if self.local is not None:
+        if self.local is None:  # the workers keep running: as disconnect()
+            self.disconnect()
+        else:  # LocalCluster.close() takes the traces in (once, with final=True)
+            self._forget()
             import gc
 
             gc.collect()

@@ -21,6 +21,7 @@ import weakref
 from pathlib import Path
 
 from tfnb.cluster.probe import probe_all
+from tfnb.hooks import workers_stopping
 from tfnb.cluster.spec import ClusterSpec, split_address
 from tfnb.cluster.worker import READY, status_path
 from tfnb.errors import ClusterError, SpecError
@@ -212,6 +213,7 @@ class LocalCluster:
         process's pipes are closed."""
         proc = self.procs[task]
         if proc.poll() is None:
+            workers_stopping([self.spec.addresses[task]], f"worker {task} was restarted", final=True)
             proc.kill()
         proc.wait(10)
         _close_pipes(proc)
@@ -220,7 +222,15 @@ class LocalCluster:
 
     def close(self) -> None:
         """Stop every worker (SIGTERM, then SIGKILL after 5 s), close their pipes, remove their
-        status files, the log folder and the guard. Safe to call more than once."""
+        status files, the log folder and the guard. Safe to call more than once.
+
+        Profiles of these workers whose traces are still coming in take them in first (at most
+        ``tfnb.profiler.capture.STOP_WAIT_S`` seconds, 10 by default; see ``tfnb.hooks``)."""
+        self._close("the cluster was stopped")
+
+    def _close(self, why: str) -> None:
+        if any(p.poll() is None for p in self.procs):
+            workers_stopping(self.spec.addresses, why, final=True)
         for p in self.procs:
             if p.poll() is None:
                 p.terminate()
@@ -286,4 +296,4 @@ def _close_pipes(proc: subprocess.Popen) -> None:
 @atexit.register
 def _close_all() -> None:
     for lc in list(_live):
-        lc.close()
+        lc._close("this process exited")

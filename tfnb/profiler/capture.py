@@ -31,6 +31,19 @@ Every RPC has a gRPC deadline, so a dead or silent worker, or one that dies whil
 on its way, costs at most ``timeout`` seconds and makes the profile ``partial`` with the reason,
 never a hang.
 
+When the cluster goes away first
+--------------------------------
+A worker that is stopped takes its unsent trace with it. So before tfnb stops workers
+(``Cluster.stop``/``close``, ``LocalCluster.close`` and ``restart``, and so interpreter exit,
+where each local cluster is closed) or disconnects a cluster, it calls :func:`collect_for`
+(through ``tfnb.hooks.before_workers_stop``, so the cluster package never imports the
+profiler): every finished profile that traced one of those workers takes its traces in then,
+within ``min(timeout, STOP_WAIT_S)`` seconds for all of them together, and holds them in memory;
+reading it later needs no worker. A trace not in by then makes the profile ``partial`` with a
+reason saying the cluster was stopped before it came in. A block still running when its workers
+stop is stopped there (its window ends at that moment) and collected the same way. A disconnect
+leaves the workers running: a trace still on its way after the wait keeps coming in as before.
+
 Overhead
 --------
 Probed on the 2-core test machine (shared with other jobs), SmolLM2-135M over 2 local workers,
@@ -70,6 +83,7 @@ import threading
 import time
 import uuid
 
+from tfnb import hooks
 from tfnb.cluster.connect import CLIENT_JOB, current
 from tfnb.errors import NotConnectedError, ProfileError
 from tfnb.profiler.rpc import ProfilerStub, messages, options
@@ -77,6 +91,7 @@ from tfnb.profiler.rpc import ProfilerStub, messages, options
 HOST_TRACER_LEVEL = 3  # 3 adds the input shapes that transfer sizes are read from (see xplane.py)
 _active: set = set()   # captures whose block is running
 _pending: set = set()  # stopped captures whose traces are still coming in or sessions still ending
+STOP_WAIT_S = 10.0     # most seconds stopping or disconnecting workers waits for traces (all together)
 
 
 def _reason(err) -> str:
@@ -119,6 +134,8 @@ class Capture:
         self.reasons: dict[str, str] = {}
         self.started: dict[str, tuple] = {}   # task -> (stub, t0, t1)
         self.t_begin = self.t_end = 0
+        self.addresses = {a for _, a in self.targets}
+        self._collection: Collection | None = None
 
     def start(self) -> None:
         """Start a session on every target at once; returns when each has answered (or failed)."""
@@ -150,21 +167,17 @@ class Capture:
         self.t_begin = time.time_ns()
 
     def stop(self) -> Collection:
-        """End the trace window now; the traces follow in the background (see :class:`Collection`)."""
-        self.t_end = time.time_ns()
-        _active.discard(self)
-        empty = messages()["Empty"]
-        calls = {task: (stub, stub.snapshot.future(empty(), timeout=self.timeout), t01)
-                 for task, (stub, *t01) in self.started.items()}
-        self.started = {}
-        return Collection(self, calls)
-
-    def abort(self) -> None:
-        """Stop everything, keep nothing (interpreter exit)."""
-        try:
-            self.stop().wait_finished(self.timeout + 7.0)
-        except Exception:  # noqa: BLE001
-            pass
+        """End the trace window now; the traces follow in the background (see :class:`Collection`).
+        A second call (the block ending after its workers were stopped) returns the same one."""
+        if self._collection is None:
+            self.t_end = time.time_ns()
+            _active.discard(self)
+            empty = messages()["Empty"]
+            calls = {task: (stub, stub.snapshot.future(empty(), timeout=self.timeout), t01)
+                     for task, (stub, *t01) in self.started.items()}
+            self.started = {}
+            self._collection = Collection(self, calls)
+        return self._collection
 
 
 class Collection:
@@ -221,10 +234,35 @@ class Collection:
     def result(self) -> dict:
         """The raw material of a Profile (waits for the traces, bounded by the timeout):
         ``spaces`` maps each host to (task, serialized XSpace, (t0, t1) around its start)."""
+        return self._take()
+
+    def settle(self, deadline: float, why: str, final: bool) -> bool:
+        """Wait until ``deadline`` (time.monotonic) at most for the traces, then hold them (what
+        :meth:`result` returns from then on). With ``final`` (the workers are going away) a trace
+        not in by then is given up: its host gets a reason that ends "before {why}". Without it,
+        nothing is given up, and the traces are held only if all came in. Whether all came in."""
+        start, end = time.monotonic(), min(deadline, self._deadline)
+        for _, fut, _ in self._calls.values():
+            try:
+                _result(fut, end)
+            except Exception:  # noqa: BLE001 - result() reports it
+                pass
+        done = all(fut.done() for _, fut, _ in self._calls.values())
+        if done:
+            self._take()
+        elif final:
+            self._take(f"did not hand back its trace before {why} (waited {time.monotonic() - start:.2g} s)")
+        return done
+
+    def _take(self, cutoff: str | None = None) -> dict:
         with self._lock:
             if self._raw is None:
                 spaces, reasons = {}, dict(self._base["reasons"])
                 for task, (_, fut, t01) in self._calls.items():
+                    if cutoff is not None and not fut.done():
+                        fut.cancel()
+                        reasons[task] = f"{self.address[task]} {cutoff}"
+                        continue
                     try:
                         data = _result(fut, self._deadline).xspace
                     except Exception as e:  # noqa: BLE001 - reported per target
@@ -235,11 +273,47 @@ class Collection:
             return self._raw
 
 
+def collect_for(addresses, why: str, final: bool = True, seconds: float | None = None) -> None:
+    """Take in the traces of every stopped profile that traced a worker at one of ``addresses``
+    before those workers go away (``final``) or their cluster is disconnected (not ``final``);
+    with ``final``, a block still running on them is stopped first. Waits at most ``seconds``
+    (default :data:`STOP_WAIT_S`, and never past a capture's own timeout) for all together, with
+    the GIL released. Installed as a ``tfnb.hooks.before_workers_stop`` hook.
+
+    Examples
+    --------
+    >>> with tfnb.profiler.profile(cluster) as prof:                        # doctest: +SKIP
+    ...     chain(x)
+    >>> collect_for(cluster.spec.addresses, "the cluster was stopped")     # doctest: +SKIP
+    >>> cluster.local.close(); prof.partial                                # doctest: +SKIP
+    False
+    """
+    addresses = set(addresses)
+    deadline = time.monotonic() + (STOP_WAIT_S if seconds is None else float(seconds))
+    if final:
+        for cap in list(_active):
+            if cap.addresses & addresses:
+                cap.stop()
+    for coll in list(_pending):
+        if coll.addresses & addresses:
+            if coll.settle(deadline, why, final) and final:  # the sessions end in a few ms
+                coll.wait_finished(max(0.0, deadline - time.monotonic()))
+
+
+hooks.before_workers_stop.append(collect_for)
+
+
 @atexit.register
 def _stop_all() -> None:
+    """Leave no server tracing after this process: every running block is stopped and each
+    session ended once its trace is in, at most the capture's timeout + 7 s. (Local workers are
+    closed by their own atexit, which collects first too, whichever of the two runs first.)"""
     for cap in list(_active):
-        cap.abort()
-    for coll in list(_pending):  # leave no server tracing after this process
+        try:
+            cap.stop()
+        except Exception:  # noqa: BLE001
+            pass
+    for coll in list(_pending):  # bounded by each capture's timeout (its RPCs' deadlines)
         coll.wait_finished(max(0.0, coll._deadline - time.monotonic()) + 7.0)
 
 
