@@ -24,7 +24,10 @@ def profile(cluster=None, *, timeout: float = 60.0, trace_dir=None):
 
     Leaving the block only ends the trace window: the workers hand their traces back in the
     background, and the first read of the profile (``partial``, ``reasons``, any table, plot or
-    display) waits for them, at most ``timeout`` seconds.
+    display) waits for them, at most ``timeout`` seconds. Stopping, closing or disconnecting the
+    cluster (or restarting a worker) takes them in first, within 10 s
+    (``capture.STOP_WAIT_S``), so a profile read afterwards is complete or says why not; a block
+    still running when its workers stop ends there.
 
     Parameters
     ----------
