@@ -134,7 +134,7 @@ def test_views_and_exports(split, tmp_path):
     assert stages[1]["predicted_ms"] == 2.0
     for kind in ("summary", "busy", "timeline", "transfers", "top_ops"):
         assert prof.plot(kind).axes
-    assert prof.plot("stages", assignment={"first": split.w0}).axes
+    assert prof.plot("stages", plan={"first": split.w0}).axes
     html = prof._repr_html_()
     assert "data:image/png;base64," in html and "worker:1/CPU:0" in html and html == prof._repr_html_()
     assert "worker:0/CPU:0 -> worker:1/CPU:0" in str(prof)

@@ -246,7 +246,8 @@ class Prediction:
 
     ``latency_s`` seconds per step; ``throughput`` tokens/s (pipelined); ``bytes_per_token``
     crossing devices; ``memory`` and ``capacity`` in bytes per device; ``bottleneck`` names the
-    busiest resource and ``bottleneck_s`` its seconds per step.
+    busiest resource and ``bottleneck_s`` its seconds per step; ``stage_s`` each stage's
+    seconds per step on its device (a replicated plan: on the first replica).
     """
 
     latency_s: float
@@ -256,6 +257,7 @@ class Prediction:
     capacity: dict = field(default_factory=dict)
     bottleneck: str = ""
     bottleneck_s: float = 0.0
+    stage_s: dict = field(default_factory=dict)
 
     def __repr__(self) -> str:
         return (f"Prediction({self.latency_s * 1e3:.3g} ms/token, {self.throughput:.3g} tokens/s, "
@@ -319,9 +321,10 @@ def predict(chain, assignment: dict, topology: Topology, batch: int = 1,
     batch, context_len = check_load(batch, context_len)
     idx = [topology.index(assignment[s.name]) for s in chain]
     busy: dict[str, float] = {}
+    stage_s: dict[str, float] = {}
     latency = crossing = 0.0
     for k, stage in enumerate(chain):
-        t = topology.stage_s(stage, idx[k], batch, context_len)
+        t = stage_s[stage.name] = topology.stage_s(stage, idx[k], batch, context_len)
         latency += t
         key = f"compute on {short_device(topology.devices[idx[k]])}"
         busy[key] = busy.get(key, 0.0) + t
@@ -340,7 +343,7 @@ def predict(chain, assignment: dict, topology: Topology, batch: int = 1,
     capacity = {d: float(topology.memory[topology.index(d)]) for d in memory}
     name, slowest = max(busy.items(), key=lambda kv: kv[1])
     return Prediction(latency, batch / slowest if slowest > 0 else math.inf, crossing / batch,
-                      memory, capacity, name, slowest)
+                      memory, capacity, name, slowest, stage_s)
 
 
 def predict_replicated(chain, replicas, topology: Topology, batch: int = 1,
@@ -366,4 +369,6 @@ def predict_replicated(chain, replicas, topology: Topology, batch: int = 1,
         capacity[dev] = float(topology.memory[d])
     for dev in replicas[len(shares):]:
         memory[dev], capacity[dev] = 0, float(topology.memory[topology.index(dev)])
-    return Prediction(latency, throughput, 0.0, memory, capacity, name, slowest)
+    first = topology.index(replicas[0])
+    stage_s = {s.name: topology.stage_s(s, first, shares[0], context_len) for s in chain}
+    return Prediction(latency, throughput, 0.0, memory, capacity, name, slowest, stage_s)

@@ -14,6 +14,10 @@
   CPU device whose worker does not say is a kind of its own.
 - **memory**: from ``cluster.status()``: an accelerator's free memory (or TF's limit); for CPU
   devices the host's available RAM, divided among the workers that share that host.
+- **memory bandwidth** (``memory_bandwidth``): on each device, a ``tf.function`` summing a
+  ``nbytes`` float32 tensor that lives there (made there, not sent), against the same call
+  summing one element; bytes / the extra time. What a decode step's memory-bound time is
+  measured against (a profile's ``bound``).
 - **stage times** (``calibrate``): seconds per decode step of each stage of a llama model on
   every device (:mod:`tfnb.runtime.calibrate`). Twins by description (one kind, above) whose
   times for the whole model are alike (within ``ALIKE``, or 1 ms) share the mean of their
@@ -40,7 +44,7 @@ import numpy as np
 from tfnb.models.chain import block_stage
 from tfnb.placement.cost import Topology
 
-__all__ = ["measure_topology", "calibrate", "clear_cache"]
+__all__ = ["measure_topology", "memory_bandwidth", "calibrate", "clear_cache"]
 
 _CACHE: dict = {}
 ALIKE = 1.3  # whole-model times within this ratio (or 1 ms): the same kind, figures averaged
@@ -234,6 +238,49 @@ def _measure(cluster, devices, repeats, tensor_bytes, matmul_n, matmuls, budget_
     if smooth:
         memory, flops, latency, bandwidth = _smooth(kinds, memory, flops, latency, bandwidth)
     return Topology(devices, memory=memory, flops=flops, latency=latency, bandwidth=bandwidth)
+
+
+def memory_bandwidth(cluster, devices=None, *, nbytes: int = 256_000_000, repeats: int = 5,
+                     refresh: bool = False, timeout: float = 120.0) -> dict[str, float]:
+    """``{device: bytes/s}`` each device reads from its memory (cached per cluster; see the
+    module docstring). Bounded: a silent worker fails it within the liveness bound.
+
+    Examples
+    --------
+    >>> bw = memory_bandwidth(tfnb.current())                        # doctest: +SKIP
+    >>> {d[-20:]: round(b / 1e9, 1) for d, b in bw.items()}          # doctest: +SKIP
+    {'/task:0/device:CPU:0': 14.2, '/task:1/device:CPU:0': 13.8}
+    """
+    devices = list(cluster.devices if devices is None else devices)
+    key = ("bandwidth", _cluster_key(cluster, devices), nbytes, repeats)
+    if refresh or key not in _CACHE:
+        from tfnb.runtime.faults import call_with_deadline
+
+        _CACHE[key] = call_with_deadline(lambda: {d: _read_bandwidth(d, nbytes, repeats)
+                                                  for d in devices}, (), timeout=timeout,
+                                         devices=devices, what="measuring memory bandwidth")
+    return _CACHE[key]
+
+
+def _read_bandwidth(device: str, nbytes: int, repeats: int) -> float:
+    import tensorflow as tf
+
+    n = max(1, nbytes // 4)
+
+    @tf.function
+    def make(n):
+        with tf.device(device):
+            return tf.fill(tf.reshape(n, [1]), 1.0)
+
+    big, small = make(tf.constant(n)), make(tf.constant(1))
+
+    @tf.function
+    def total(x):
+        with tf.device(device):
+            return tf.reduce_sum(x)
+
+    t_big, t_small = _best(total, big, repeats), _best(total, small, repeats)
+    return nbytes / max(t_big - t_small, 1e-9)
 
 
 def _cluster_key(cluster, devices) -> tuple:

@@ -105,15 +105,18 @@ def build(raw: dict, library: Library | None = None) -> dict:
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
     t_begin, t_end = raw["t_begin"], raw["t_end"]
-    records, functions, shifts = [], {}, {}
+    records, functions, shifts, compiled = [], {}, {}, []
     for host, (task, data, (t0, t1)) in raw["spaces"].items():
         space = xplane_pb2.XSpace.FromString(data)
         shifts[host] = shift = clock_shift(start_time_ns(space), t0, t1)
-        evs, fns = parse_space(space, _device_namer(task), shift_ns=shift - t_begin)
+        evs, fns, hlo = parse_space(space, _device_namer(task), shift_ns=shift - t_begin)
         records.extend(evs)
         functions.update(fns)
+        compiled.extend(hlo)
     window = t_end - t_begin
     records = [r for r in records if r["start"] + r["dur"] > 0 and r["start"] < window]
+    compiled = sorted((r for r in compiled if r["start"] + r["dur"] > 0 and r["start"] < window),
+                      key=lambda r: r["start"])
 
     groups: dict = {}
     for r in records:
@@ -143,4 +146,5 @@ def build(raw: dict, library: Library | None = None) -> dict:
                     r["stats"])
               for r in sorted(records, key=lambda r: r["start"])]
     offsets = {host: -shift for host, shift in shifts.items()}
-    return {"events": events, "functions": functions, "window_ns": window, "offsets_ns": offsets}
+    return {"events": events, "functions": functions, "window_ns": window, "offsets_ns": offsets,
+            "compiled": compiled}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from tfnb.errors import ProfileError
 from tfnb.names import short_device
+from tfnb.profiler.xplane import COMPILED_KINDS
 
 COLORS = {"compute": "#4c78a8", "send/receive": "#f58518", "idle": "#d9d9d9"}
 
@@ -15,10 +16,13 @@ def _new(nrows=1, ncols=1, size=(7.0, 3.0)):
     return fig, fig.subplots(nrows, ncols, squeeze=False)
 
 
-def busy(prof, ax) -> None:
-    """Stacked horizontal bars per device: compute, send/receive, idle (ms)."""
+def busy(prof, ax, fractions: dict | None = None) -> None:
+    """Stacked horizontal bars per device: compute, send/receive, idle (ms); ``fractions``
+    (``{device: fraction of its memory-bandwidth bound}``) adds that under a device's name."""
     rows = prof.busy()
-    labels = [short_device(r["device"]) for r in rows]
+    fractions = fractions or {}
+    labels = [short_device(r["device"]) + (f"\n{fractions[r['device']]:.0%} of bound"
+                                           if fractions.get(r["device"]) else "") for r in rows]
     left = [0.0] * len(rows)
     for key, cat in (("compute_ms", "compute"), ("send_recv_ms", "send/receive"), ("idle_ms", "idle")):
         vals = [r[key] for r in rows]
@@ -71,39 +75,102 @@ def top_ops(prof, ax, n: int = 8) -> None:
     ax.set_title("top op types")
 
 
-def stages(prof, ax, assignment, predicted=None) -> None:
-    """Measured (and predicted, when given) time per stage."""
-    rows = prof.stage_times(assignment, predicted)
-    xs = range(len(rows))
-    width = 0.4 if predicted else 0.8
-    ax.bar([x - (width / 2 if predicted else 0) for x in xs], [r["measured_ms"] for r in rows], width,
-           label="measured", color=COLORS["compute"])
-    if predicted:
-        ax.bar([x + width / 2 for x in xs], [r.get("predicted_ms") or 0 for r in rows], width,
-               label="predicted", color="#999999")
-    ax.set_xticks(list(xs), [str(r["stage"]) for r in rows], rotation=30, ha="right")
-    ax.set_ylabel("ms")
-    ax.set_title("time per stage")
-    ax.legend(fontsize="small")
+KIND_COLORS = dict(zip(COMPILED_KINDS, ("#4c78a8", "#e45756", "#72b7b2", "#54a24b", "#b279a2",
+                                         "#f58518", "#bab0ac")))
+
+
+def slowest(rows) -> tuple[dict, str, float] | None:
+    """The slowest stage row (per decode step when it decoded, else in all), its largest op
+    kind and that kind's share of the stage; None without rows."""
+    if not rows:
+        return None
+    per = [(r["ms_per_step"] if r.get("ms_per_step") else r["measured_ms"], r) for r in rows]
+    _, row = max(per, key=lambda x: x[0])
+    kinds = row.get("kinds") or {}
+    if not kinds:
+        return row, "", 0.0
+    kind = max(kinds, key=kinds.get)
+    return row, kind, kinds[kind] / max(sum(kinds.values()), 1e-12)
+
+
+def stages(prof, ax, plan=None, predicted=None) -> None:
+    """Per stage: time per decode step (all its time when it did not decode) stacked by op kind,
+    the planner's predicted time as a black tick; the title names the slowest stage and kind."""
+    rows = prof.stage_times(plan, predicted)
+    xs = list(range(len(rows)))
+    scale = [r["ms_per_step"] / r["decode_ms"] if r.get("ms_per_step") and r["decode_ms"] else
+             1.0 for r in rows]  # kinds are over the whole block: show them per step
+    bottom = [0.0] * len(rows)
+    kinds = [k for k in KIND_COLORS if any(k in (r.get("kinds") or {}) for r in rows)]
+    for kind in kinds:
+        vals = [(r.get("kinds") or {}).get(kind, 0.0) * f for r, f in zip(rows, scale)]
+        ax.bar(xs, vals, 0.8, bottom=bottom, color=KIND_COLORS[kind], label=kind)
+        bottom = [a + b for a, b in zip(bottom, vals)]
+    if not kinds:  # stages of the caller's own: one bar each
+        ax.bar(xs, [r["measured_ms"] for r in rows], 0.8, color=COLORS["compute"], label="measured")
+    pred = [(x, r["predicted_ms"]) for x, r in zip(xs, rows) if r.get("predicted_ms") is not None]
+    if pred:
+        ax.scatter([x for x, _ in pred], [v for _, v in pred], marker="_", s=120, color="black",
+                   zorder=3, label="predicted")
+    step = max(1, len(rows) // 24)  # a label per stage up to ~24 stages, then every n-th
+    ax.set_xticks(xs[::step], [str(r["stage"]) for r in rows][::step], rotation=60, ha="right",
+                  fontsize="small")
+    decoded = any(r.get("ms_per_step") for r in rows)
+    ax.set_ylabel("ms per decode step" if decoded else "ms")
+    found = slowest(rows)
+    row, kind, share = found
+    title = f"slowest stage: {row['stage']} ({short_device(row['device'])})"
+    ax.set_title(title + (f", {kind} {share:.0%}" if kind else ""), fontsize="medium")
+    ax.legend(fontsize="x-small", ncol=2)
+
+
+def bound(prof, ax, models=None, bandwidth=None) -> None:
+    """Per device: the measured time of a decode step beside its memory-bandwidth bound."""
+    rows = [r for r in prof.bound(models, bandwidth=bandwidth, links=False)["devices"] if r["ms_per_step"]]
+    if not rows:
+        raise ProfileError("plot('bound'): no decode step of a placed model was traced in this profile")
+    labels = [short_device(r["device"]) for r in rows]
+    ys = list(range(len(rows)))
+    ax.barh([y - 0.2 for y in ys], [r["ms_per_step"] for r in rows], 0.4, color=COLORS["compute"],
+            label="measured")
+    ax.barh([y + 0.2 for y in ys], [r["bound_ms"] or 0 for r in rows], 0.4, color="#999999",
+            label="bound: bytes read / bandwidth")
+    for y, r in zip(ys, rows):
+        text = f" {r['fraction']:.0%} of bound" if r["fraction"] is not None else " bound unknown"
+        ax.text(r["ms_per_step"], y - 0.2, text, va="center", fontsize="small")
+    ax.set_yticks(ys, labels)
+    ax.set_xlim(0, 1.3 * max(max(r["ms_per_step"], r["bound_ms"] or 0) for r in rows))
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per decode step")
+    ax.set_title("decode step against the memory-bandwidth bound")
+    ax.legend(fontsize="x-small", loc="lower right")
 
 
 def figure(prof, kind: str = "summary", **kwargs):
     """The Figure for ``Profile.plot``."""
-    single = {"busy": busy, "timeline": timeline, "transfers": transfers, "stages": stages, "top_ops": top_ops}
+    single = {"busy": busy, "timeline": timeline, "transfers": transfers, "stages": stages,
+              "top_ops": top_ops, "bound": bound}
     if kind == "summary":
         fig, axes = _new(2, 2, (12.0, 7.0))
-        busy(prof, axes[0][0])
+        fractions = ({r["device"]: r["fraction"] for r in prof.bound(links=False)["devices"]}
+                     if prof.compiled_stages() else None)
+        busy(prof, axes[0][0], fractions)
         timeline(prof, axes[0][1])
         transfers(prof, axes[1][0], kwargs.get("function"))
-        if "assignment" in kwargs:
-            stages(prof, axes[1][1], kwargs["assignment"], kwargs.get("predicted"))
+        if kwargs.get("plan") is not None or prof.compiled_stages():
+            stages(prof, axes[1][1], kwargs.get("plan"), kwargs.get("predicted"))
         else:
             top_ops(prof, axes[1][1])
         return fig
     if kind not in single:
         raise ProfileError(f"kind={kind!r}; expected summary, {', '.join(single)}")
-    if kind == "stages" and "assignment" not in kwargs:
-        raise ProfileError("plot('stages') needs assignment={stage: device} (and optionally predicted=)")
-    fig, axes = _new(size=(7.0, 0.6 * len(prof.devices) + 2.0) if kind != "transfers" else (6.0, 5.0))
+    if kind == "stages":
+        if kwargs.get("plan") is None and not prof.compiled_stages():
+            raise ProfileError("plot('stages'): no compiled op of a tfnb stage was traced; pass "
+                               "plan={stage: device} to time stages of your own")
+        n = len(prof.stage_times(kwargs.get("plan"), kwargs.get("predicted")))
+        fig, axes = _new(size=(min(16.0, 4.0 + 0.25 * n), 4.0))
+    else:
+        fig, axes = _new(size=(7.0, 0.6 * len(prof.devices) + 2.0) if kind != "transfers" else (6.0, 5.0))
     single[kind](prof, axes[0][0], **kwargs)
     return fig

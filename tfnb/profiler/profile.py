@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tfnb.errors import ProfileError
 from tfnb.names import short_device
-from tfnb.profiler import export, plots
+from tfnb.profiler import bound as bounds, export, plots
 from tfnb.profiler.build import build
 from tfnb.profiler.xplane import op_kind
 
@@ -29,6 +29,17 @@ def union_ns(intervals, lo: int, hi: int) -> int:
         else:
             cur_e = max(cur_e, e)
     return total + (0 if cur_e is None else cur_e - cur_s)
+
+
+def _stage_order(stage: str, order: list | None):
+    """Sort key of a stage: its place in ``order`` when given, else embed, blocks, head."""
+    if order is not None and stage in order:
+        return (order.index(stage), 0)
+    if stage == "embed":
+        return (-1, 0)
+    if stage == "head":
+        return (10**9, 0)
+    return (int(stage.split(".")[1]) if stage.startswith("block.") else 10**8, 0)
 
 
 def _function_name(function) -> str:
@@ -51,7 +62,8 @@ class Profile:
     partial : bool
         True when some worker (or this process) could not be traced; ``reasons`` says why.
         The traces come in after the block has ended: the first read of ``partial``,
-        ``reasons``, ``spaces`` or any table waits for them (at most the capture's timeout).
+        ``reasons``, ``spaces`` or any table waits for them (at most the capture's timeout);
+        stopping or disconnecting the cluster takes them in first.
     reasons : dict
         ``{worker task or "client": reason}``.
     wall_ms : float
@@ -72,7 +84,7 @@ class Profile:
         self._ready = False
         self._figure_cache: dict = {}
         self._raw, self._pending, self._built = None, None, None
-        self.wall_ms, self.window_ns = 0.0, 0
+        self.wall_ms, self.window_ns, self.t_begin_ns = 0.0, 0, 0
         if data is not None:
             self._fill(data)
 
@@ -85,7 +97,7 @@ class Profile:
             self._raw, t_begin, t_end = raw, raw["t_begin"], raw["t_end"]
         else:
             self._pending, t_begin, t_end = raw, raw.t_begin, raw.t_end
-        self.window_ns = t_end - t_begin
+        self.t_begin_ns, self.window_ns = t_begin, t_end - t_begin
         self.wall_ms = self.window_ns / _MS
         self._built = None
         self._ready = True
@@ -303,38 +315,161 @@ class Profile:
             rows.append(row)
         return rows
 
-    def stage_times(self, assignment, predicted: Mapping | None = None) -> list[dict]:
-        """Measured time per stage, from a ``{stage: device or [devices]}`` map (or a plan with
-        an ``assignment`` attribute); ``predicted`` (``{stage: ms}``) adds a predicted column.
+    @property
+    def compiled(self) -> list[dict]:
+        """Every op XLA ran inside the compiled calls, in time order: ``device``, ``module``,
+        ``name`` (the HLO instruction), ``start``/``dur`` (ns), ``stage`` (``embed``,
+        ``block.i``, ``head``; None for ops outside tfnb's stage scopes) and ``kind`` (one of
+        matmul, attention, norm, rope, sampling, copies, other)."""
+        self._check()
+        return self._built["compiled"]
 
-        A stage's time is the compute time of its ops on its devices: the ops in the stage's
-        name scope (``stage/...``) when there are any, otherwise every op on those devices.
+    def compiled_stages(self) -> bool:
+        """Whether any compiled op of a tfnb stage (``embed``, ``block.i``, ``head``) was traced."""
+        return any(e["stage"] is not None for e in self.compiled)
+
+    def op_kinds(self) -> list[dict]:
+        """Time inside the compiled calls per device and op kind, most first per device:
+        ``{"device", "kind", "ms", "share"}`` (``share`` of that device's compiled time).
 
         Examples
         --------
-        >>> prof.stage_times({"block0": w0, "block1": w1}, predicted={"block0": 2.0, "block1": 2.1})  # doctest: +SKIP
+        >>> [(r["kind"], round(r["share"], 2)) for r in prof.op_kinds()][:2]  # doctest: +SKIP
+        [('matmul', 0.81), ('attention', 0.07)]
+        """
+        cells: dict = {}
+        for e in self.compiled:
+            cells[(e["device"], e["kind"])] = cells.get((e["device"], e["kind"]), 0) + e["dur"]
+        rows = []
+        for dev in self.devices:
+            total = sum(v for (d, _), v in cells.items() if d == dev)
+            mine = sorted(((k, v) for (d, k), v in cells.items() if d == dev), key=lambda kv: -kv[1])
+            rows += [{"device": dev, "kind": k, "ms": v / _MS, "share": v / total} for k, v in mine]
+        return rows
+
+    def stage_times(self, plan=None, predicted: Mapping | None = None) -> list[dict]:
+        """Time per stage and device inside the compiled calls, with its op kinds.
+
+        Every op of tfnb's runtime runs under its stage's name scope, which XLA keeps in the
+        compiled ops' metadata, so each compiled op counts to its stage (``embed``, ``block.i``,
+        ``head``) and to an op kind. One row per (stage, device) in chain order:
+
+        - ``measured_ms``: its ops' time in the block (summed over threads), prefill and decode;
+        - ``prefill_ms``, ``decode_ms`` and ``steps`` (decode steps it ran), ``ms_per_step``;
+        - ``kinds``: ``{kind: ms}``, most first;
+        - ``predicted_ms``: the planner's seconds per step for the stage (x 1000), from
+          ``plan`` (a Plan, or a placed model's) or from ``predicted`` (``{stage: ms}``), at the
+          plan's batch and context, beside ``ms_per_step``.
+
+        ``plan`` may also be a ``{stage: device}`` mapping over stages of your own: a stage
+        with no compiled ops is then timed by the TF ops in its name scope (``stage/...``), else
+        by every op on its devices (``basis`` says which).
+
+        Examples
+        --------
+        >>> slowest = max(prof.stage_times(placed), key=lambda r: r["ms_per_step"])  # doctest: +SKIP
+        >>> slowest["stage"], next(iter(slowest["kinds"]))                            # doctest: +SKIP
+        ('block.17', 'matmul')
         """
         self._check()
-        assignment = getattr(assignment, "assignment", assignment)
-        if not isinstance(assignment, Mapping) or not assignment:
-            raise ProfileError(f"assignment={assignment!r}; expected a non-empty {{stage: device}} mapping")
+        plan = getattr(plan, "plan", plan)  # a placed model
+        assignment = getattr(plan, "assignment", plan)
+        if assignment is not None and (not isinstance(assignment, Mapping) or not assignment):
+            raise ProfileError(f"plan={plan!r:.80}; expected a Plan, a placed model or a non-empty "
+                               "{stage: device} mapping")
+        if predicted is None and getattr(plan, "prediction", None) is not None:
+            predicted = {k: v * 1e3 for k, v in plan.prediction.stage_s.items()}
+        if predicted is not None and not isinstance(predicted, Mapping):
+            raise ProfileError(f"predicted={predicted!r:.80}; expected a {{stage: ms}} mapping")
+        cells: dict = {}
+        for e in self.compiled:
+            if e["stage"] is None or (assignment is not None and e["stage"] not in assignment):
+                continue
+            c = cells.setdefault((e["stage"], e["device"]), {"kinds": {}, "phase": {}, "runs": {}})
+            phase = "decode" if "decode" in e["module"] else "prefill" if "prefill" in e["module"] else "other"
+            c["phase"][phase] = c["phase"].get(phase, 0) + e["dur"]
+            c["kinds"][e["kind"]] = c["kinds"].get(e["kind"], 0) + e["dur"]
+            if phase == "decode":
+                key = (e["module"], e["name"])
+                c["runs"][key] = c["runs"].get(key, 0) + 1
+        order = list(assignment) if assignment is not None else None
         rows = []
-        for stage, devs in assignment.items():
-            devs = [devs] if isinstance(devs, str) else list(devs)
-            full = [d for d in self.devices if any(d == x or d.startswith(x.rstrip("/") + "/") or
-                                                     short_device(d) == x for x in devs)]
-            if not full:
-                raise ProfileError(f"stage {stage!r}: device {devs!r} was not traced; traced: {self.devices}")
-            evs = [e for e in self.events if e.device in full and e.category == "compute"]
-            scoped = [e for e in evs if e.name == str(stage) or e.name.startswith(f"{stage}/")]
-            use = scoped or evs
-            row = {"stage": stage, "devices": full, "basis": "name scope" if scoped else "device",
-                   "measured_ms": sum(union_ns([(e.start, e.start + e.dur) for e in use if e.device == d], 0, self.window_ns)
-                                      for d in full) / _MS}
+        for (stage, dev), c in sorted(cells.items(), key=lambda kv: (_stage_order(kv[0][0], order),
+                                                                      self.devices.index(kv[0][1]))):
+            per_module: dict = {}
+            for (module, _), n in c["runs"].items():
+                per_module[module] = max(per_module.get(module, 0), n)
+            steps, decode = sum(per_module.values()), c["phase"].get("decode", 0)
+            row = {"stage": stage, "device": dev, "basis": "compiled ops",
+                   "measured_ms": sum(c["phase"].values()) / _MS, "prefill_ms": c["phase"].get("prefill", 0) / _MS,
+                   "decode_ms": decode / _MS, "steps": steps, "ms_per_step": decode / steps / _MS if steps else None,
+                   "kinds": {k: v / _MS for k, v in sorted(c["kinds"].items(), key=lambda kv: -kv[1])}}
             if predicted is not None:
                 row["predicted_ms"] = predicted.get(stage)
             rows.append(row)
+        found = {r["stage"] for r in rows}
+        for stage, devs in (assignment or {}).items():
+            if stage not in found:
+                rows.append(self._scoped_stage(stage, devs, predicted))
+        if not rows:
+            raise ProfileError("no compiled op of a tfnb stage was traced (nothing ran under the "
+                               "runtime's stage scopes); pass {stage: device} to time your own")
         return rows
+
+    def _scoped_stage(self, stage, devs, predicted) -> dict:
+        """A stage of the caller's own: its TF ops' time by name scope, else its devices' time."""
+        devs = [devs] if isinstance(devs, str) else list(devs)
+        full = [d for d in self.devices if any(d == x or d.startswith(x.rstrip("/") + "/") or
+                                                 short_device(d) == x for x in devs)]
+        if not full:
+            raise ProfileError(f"stage {stage!r}: device {devs!r} was not traced; traced: {self.devices}")
+        evs = [e for e in self.events if e.device in full and e.category == "compute"]
+        scoped = [e for e in evs if e.name == str(stage) or e.name.startswith(f"{stage}/")]
+        use = scoped or evs
+        row = {"stage": stage, "device": full[0], "devices": full, "basis": "name scope" if scoped else "device",
+               "measured_ms": sum(union_ns([(e.start, e.start + e.dur) for e in use if e.device == d], 0, self.window_ns)
+                                  for d in full) / _MS, "kinds": {}}
+        if predicted is not None:
+            row["predicted_ms"] = predicted.get(stage)
+        return row
+
+    def bound(self, models=None, *, cluster=None, bandwidth=None, links: bool = True) -> dict:
+        """Each device's decode step against its memory-bandwidth bound, and each link's
+        traffic (see :mod:`tfnb.profiler.bound`).
+
+        ``{"devices": [...], "links": [...]}``. A device row has ``ms_per_step`` (measured),
+        ``bytes_per_step`` (``weights_bytes`` + ``kv_bytes``: what a step reads there),
+        ``bandwidth`` (bytes/s), ``bound_ms`` and ``fraction`` (bound / measured; None with a
+        ``reason`` when it cannot be told). A link row has ``bytes_per_step`` and ``rtt_ms``.
+
+        ``models``: the placed models to account for (default: those that decoded in the
+        block); ``cluster``: where to measure the bandwidth (default: the connected one);
+        ``bandwidth``: bytes/s to use instead (a number, or ``{device: bytes/s}``).
+
+        Examples
+        --------
+        >>> [round(r["fraction"], 2) for r in prof.bound()["devices"]]   # doctest: +SKIP
+        [0.71, 0.69]
+        """
+        self._check()
+        models = bounds.models_in(self) if models is None else list(getattr(models, "replicas", None) or
+                                                                     ([models] if hasattr(models, "scheduler") else models))
+        return {"devices": bounds.device_rows(self, models, cluster, bandwidth),
+                "links": bounds.link_rows(self, models, cluster) if links else []}
+
+    def headline(self) -> list[str]:
+        """What the profile says first: the slowest stage and its op kind, and each device's
+        fraction of its memory-bandwidth bound (when tfnb's runtime decoded in the block)."""
+        if not self.compiled_stages():
+            return []
+        found = plots.slowest(self.stage_times())
+        row, kind, share = found
+        per = f"{row['ms_per_step']:.3g} ms/step" if row.get("ms_per_step") else f"{row['measured_ms']:.3g} ms"
+        lines = [f"slowest stage: {row['stage']} on {short_device(row['device'])}, {per}"
+                 + (f", mostly {kind} ({share:.0%})" if kind else "")]
+        if "bound" not in self._figure_cache:
+            self._figure_cache["bound"] = self.bound(links=False)["devices"]
+        return lines + [bounds.describe(r) for r in self._figure_cache["bound"]]
 
     def to_pandas(self, table: str = "busy", **kwargs):
         """One table (``busy``, ``steps``, ``transfers``, ``top_ops``) as a pandas DataFrame."""
@@ -350,7 +485,11 @@ class Profile:
 
     # --- views ----------------------------------------------------------------------------
     def plot(self, kind: str = "summary", **kwargs):
-        """A matplotlib Figure: ``summary``, ``busy``, ``timeline``, ``transfers`` or ``stages``.
+        """A matplotlib Figure: ``summary``, ``busy``, ``timeline``, ``transfers``, ``top_ops``,
+        ``stages`` (``plan=`` and ``predicted=`` as :meth:`stage_times`) or ``bound``
+        (``models=``, ``bandwidth=`` as :meth:`bound`). The summary shows the stages when tfnb's
+        runtime ran in the block, else the top op types, and each device's fraction of its bound
+        beside its busy time.
 
         Examples
         --------
@@ -395,6 +534,7 @@ class Profile:
             return repr(self)
         lines = [repr(self)]
         lines += [f"  not traced: {k}: {v}" for k, v in self.reasons.items()]
+        lines += [f"  {line}" for line in self.headline()]
         lines.append(f"  {'device':<22}{'compute':>10}{'send/recv':>11}{'idle':>10}  (ms)")
         lines += [f"  {short_device(r['device']):<22}{r['compute_ms']:>10.2f}{r['send_recv_ms']:>11.2f}{r['idle_ms']:>10.2f}"
                   for r in self.busy()]
@@ -413,6 +553,9 @@ class Profile:
         out = [f"<b>{esc(repr(self))}</b>"]
         if self.partial:
             out.append("<ul>" + "".join(f"<li>not traced: {esc(k)}: {esc(v)}</li>" for k, v in self.reasons.items()) + "</ul>")
+        headline = self.headline()
+        if headline:
+            out.append("<ul>" + "".join(f"<li>{esc(line)}</li>" for line in headline) + "</ul>")
         head = "".join(f"<th>{h}</th>" for h in ("device", "compute ms", "send/recv ms", "idle ms", "ops"))
         body = "".join(f"<tr><td>{esc(short_device(r['device']))}</td><td>{r['compute_ms']:.2f}</td><td>{r['send_recv_ms']:.2f}</td>"
                        f"<td>{r['idle_ms']:.2f}</td><td>{r['ops']}</td></tr>" for r in self.busy())

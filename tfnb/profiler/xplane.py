@@ -13,7 +13,15 @@ What the traces hold (probed on TF 2.21, host tracer level 3 on CPU workers):
 * every op runs inside an ``ExecutorState::Process`` event whose ``id`` stat is the step id, and
   that id is the same on every worker for one call of a multi-device function;
 * the ``Task Environment`` plane reports ``profile_start_time`` (ns since the epoch, the host's
-  own clock) and line timestamps are relative to it.
+  own clock) and line timestamps are relative to it;
+* inside an XLA call each HLO op of the executable is one event named after the instruction
+  (``MatMul.4``, ``subtract_exponential_fusion``) with ``hlo_module`` and ``hlo_op`` stats, on
+  the calling thread (an op that calls computations, a ``while``, spans its body's events).
+  With ``enable_hlo_proto`` the ``/host:metadata`` plane holds each live module's ``HloProto``
+  (one event metadata ``"module(program id)"``, stat ``Hlo Proto``) even when it was compiled
+  before the session, and every instruction's ``metadata.op_name`` is the TF op's name scope
+  path (``block.3/attention/einsum/Einsum``): :func:`compiled_ops` reads stages and op kinds
+  from it.
 """
 from __future__ import annotations
 
@@ -49,7 +57,7 @@ def op_kind(op: str) -> str:
 
 _PARTITION = re.compile(r"^(.*?)_partitioned_\d+_\d+$")
 _EPOCH_NS = 10**15  # line timestamps below this are relative to profile_start_time
-_OP, _EXEC, _RUN, _EAGER = range(4)  # kinds of event parse_space keeps
+_OP, _EXEC, _RUN, _EAGER, _HLO = range(5)  # kinds of event parse_space keeps
 
 
 class Event(NamedTuple):
@@ -63,6 +71,120 @@ class Event(NamedTuple):
     step: int | None
     category: str   # "compute" or "send/receive"
     stats: dict | None  # transfers: from, to, key (+ bytes); others: shape when traced
+
+
+# Name scopes tfnb's runtime math runs under (tfnb/runtime/llama.py) and the op kind each one is.
+SCOPE_KINDS = {"attention": "attention", "norm": "norm", "rope": "rope", "kv_cache": "copies",
+               "sampling": "sampling"}
+COMPILED_KINDS = ("matmul", "attention", "norm", "rope", "sampling", "copies", "other")
+_STAGE = re.compile(r"^(embed|head|block\.\d+)$")
+_COPY_OPCODES = frozenset({"copy", "transpose", "dynamic-update-slice", "dynamic-slice", "gather",
+                           "scatter", "concatenate", "slice", "pad", "reshape", "bitcast",
+                           "broadcast", "copy-start", "copy-done", "reverse"})
+_CONTAINER_OPCODES = frozenset({"while", "conditional", "call", "async-start", "async-done"})
+_DOT = re.compile(r"MatMul|Einsum|Dequantize")  # op types of dots, tfnb's packed-weight ops
+
+
+class CompiledOp(NamedTuple):
+    """What one HLO instruction is: its stage (None outside tfnb's stage scopes), op kind and
+    the TF op it came from."""
+    stage: str | None
+    kind: str
+    tf_op: str
+
+
+def _scope(op_name: str) -> tuple[str | None, str | None]:
+    """``(stage, kind)`` named by a TF op's name scope path (either may be None)."""
+    stage, kind = None, None
+    for part in op_name.split("/"):
+        if stage is None and _STAGE.match(part):
+            stage = part
+        elif stage is not None and kind is None and part in SCOPE_KINDS:
+            kind = SCOPE_KINDS[part]
+    return stage, kind
+
+
+def _opcode_kind(ins) -> str | None:
+    if ins.opcode in ("dot", "convolution") or (ins.opcode == "custom-call" and (
+            _DOT.search(ins.metadata.op_type) or "Packed" in ins.custom_call_target)):
+        return "matmul"
+    return "copies" if ins.opcode in _COPY_OPCODES else None
+
+
+def _majority(values):
+    values = [v for v in values if v is not None]
+    return max(set(values), key=values.count) if values else None
+
+
+_SKIP_OPCODES = _CONTAINER_OPCODES | {"parameter", "constant", "tuple", "get-tuple-element"}
+
+
+def compiled_ops(hlo_proto: bytes) -> dict[str, CompiledOp]:
+    """``{instruction name: CompiledOp}`` for the leaf instructions of one serialized
+    ``HloProto`` (every computation's, so a while loop's body too; ops that only call other
+    computations are left out: their events span their bodies').
+
+    An instruction's stage and kind come from its own name scope; a fusion without one takes
+    the most common among the instructions it fuses. Some ops lose their metadata in XLA's
+    passes (probed on TF 2.21: the dots an ``einsum`` becomes, the ``reduce-window`` of a
+    softmax): those take the scope of the nearest op that uses their result (else of their
+    operands). A kind no scope names is "matmul" for a dot (or a fusion of one) and tfnb's
+    packed-weight ops, "copies" for data movement, else "other".
+    """
+    from tensorflow.compiler.xla.service import hlo_pb2
+
+    module = hlo_pb2.HloProto.FromString(hlo_proto).hlo_module
+    comps = {c.id: c for c in module.computations}
+    inner: dict[int, list] = {}
+
+    def inside(cid):  # (stage, scope kind, opcode kind) of each instruction a fusion holds
+        if cid not in inner:
+            inner[cid] = []
+            for ins in comps[cid].instructions if cid in comps else ():
+                if ins.opcode == "fusion":
+                    for sub in ins.called_computation_ids:
+                        inner[cid].extend(inside(sub))
+                elif ins.opcode not in ("parameter", "constant"):
+                    inner[cid].append((*_scope(ins.metadata.op_name), _opcode_kind(ins)))
+        return inner[cid]
+
+    out = {}
+    for comp in module.computations:
+        by_id = {ins.id: ins for ins in comp.instructions}
+        users: dict = {}
+        for ins in comp.instructions:
+            for o in ins.operand_ids:
+                users.setdefault(o, []).append(ins.id)
+        own = {}
+        for ins in comp.instructions:
+            stage, kind = _scope(ins.metadata.op_name)
+            opk = _opcode_kind(ins)
+            if ins.opcode == "fusion":
+                parts = [x for cid in ins.called_computation_ids for x in inside(cid)]
+                stage = stage or _majority([p[0] for p in parts])
+                kind = kind or _majority([p[1] for p in parts])
+                opk = "matmul" if any(p[2] == "matmul" for p in parts) else (opk or _majority([p[2] for p in parts]))
+            own[ins.id] = (stage, kind, opk)
+
+        def nearest(iid):  # the scope of the closest user with one, else of an operand
+            for links in (users, {k: list(v.operand_ids) for k, v in by_id.items()}):
+                seen, frontier = {iid}, [iid]
+                for _ in range(6):
+                    frontier = [n for f in frontier for n in links.get(f, ()) if n not in seen]
+                    seen.update(frontier)
+                    found = [own[n] for n in frontier if n in own and own[n][0] is not None]
+                    if found:
+                        return found[0][0], found[0][1]
+            return None, None
+
+        for ins in comp.instructions:
+            if ins.opcode in _SKIP_OPCODES:
+                continue
+            stage, kind, opk = own[ins.id]
+            if stage is None:
+                stage, kind = nearest(ins.id)
+            out[ins.name] = CompiledOp(stage, kind or opk or "other", ins.metadata.op_type)
+    return out
 
 
 def _stat_value(stat, names):
@@ -91,14 +213,23 @@ def _is_op(op: str, _cache: dict = {}) -> bool:
     return _cache[op]
 
 
-def parse_space(space, device_of, *, shift_ns: int) -> tuple[list[dict], dict[int, str]]:
+def parse_space(space, device_of, *, shift_ns: int) -> tuple[list[dict], dict[int, str], list[dict]]:
     """Op events of one XSpace as dicts with absolute times (host clock + ``shift_ns``).
 
     ``device_of(plane_name)`` names the TF device of a plane (None: skip the plane). Returns the
-    events and ``{step id: function name}`` for the steps that started a function here.
+    events, ``{step id: function name}`` for the steps that started a function here, and the
+    compiled (HLO) op events with their stage and kind (see :func:`compiled_ops`).
     """
     base = start_time_ns(space) or 0
-    out, functions = [], {}
+    out, functions, compiled = [], {}, []
+    modules = {}  # "module(program id)" -> {instruction: CompiledOp}
+    for plane in space.planes:
+        if plane.name == "/host:metadata":
+            names = {k: v.name for k, v in plane.stat_metadata.items()}
+            for md in plane.event_metadata.values():
+                for st in md.stats:
+                    if names.get(st.metadata_id) == "Hlo Proto" and st.bytes_value:
+                        modules[md.name] = compiled_ops(st.bytes_value)
     for plane in space.planes:
         device = device_of(plane.name)
         if device is None:
@@ -107,6 +238,9 @@ def parse_space(space, device_of, *, shift_ns: int) -> tuple[list[dict], dict[in
         snames = {k: v.name for k, v in plane.stat_metadata.items()}
         wanted = {k: v for k, v in snames.items() if v in ("shape", "from", "to", "key")}
         id_stat = next((k for k, v in snames.items() if v == "id"), None)
+        module_stat = next((k for k, v in snames.items() if v == "hlo_module"), None)
+        program_stat = next((k for k, v in snames.items() if v == "program_id"), None)
+        hlo_names = set().union(*modules.values()) if modules else set()
         # What each event name is, decided once per name: most events of an LLM's trace are the
         # HLO ops of its XLA calls and the thread pool's own events, which are skipped here.
         kinds: dict = {}
@@ -123,6 +257,8 @@ def parse_space(space, device_of, *, shift_ns: int) -> tuple[list[dict], dict[in
                 if node and _is_op(op):
                     meta_stats = [s for s in md.stats if s.metadata_id in wanted] if op in TRANSFER_TYPES else []
                     kinds[mid] = (_OP, node, op, meta_stats)
+            elif name in hlo_names:
+                kinds[mid] = (_HLO, name)
         for line in plane.lines:
             t0 = line.timestamp_ns + (base if line.timestamp_ns < _EPOCH_NS else 0) + shift_ns
             thread = line.name or str(line.id)
@@ -139,6 +275,15 @@ def parse_space(space, device_of, *, shift_ns: int) -> tuple[list[dict], dict[in
                                 "op": kind[2], "start": start, "dur": dur, "stats": stats or None})
                 elif kind[0] == _EAGER:
                     calls.append((start, start + dur, kind[1]))
+                elif kind[0] == _HLO:
+                    st = {s.metadata_id: s for s in e.stats}
+                    mod, prog = st.get(module_stat), st.get(program_stat)
+                    key = f"{_stat_value(mod, snames) if mod else ''}({_stat_value(prog, snames) if prog else 0})"
+                    op = modules.get(key, {}).get(kind[1])
+                    if op is not None:
+                        compiled.append({"device": device, "thread": thread, "module": key,
+                                         "name": kind[1], "start": start, "dur": dur,
+                                         "stage": op.stage, "kind": op.kind})
                 else:
                     sid = next((_stat_value(s, snames) for s in e.stats if s.metadata_id == id_stat), None)
                     if sid is not None:
@@ -157,7 +302,7 @@ def parse_space(space, device_of, *, shift_ns: int) -> tuple[list[dict], dict[in
                 if fname:
                     m = _PARTITION.match(fname)
                     functions[sid] = m.group(1) if m else fname
-    return out, functions
+    return out, functions, compiled
 
 
 def parse_shapes(text: str | None) -> list[tuple[str | None, list[int | None] | None]] | None:

@@ -34,7 +34,7 @@ import tensorflow as tf
 from tensorflow.compiler.tf2xla.python import xla
 from tensorflow.python.eager import context
 
-from tfnb.models.chain import Segment
+from tfnb.models.chain import Segment, block_stage
 from tfnb.runtime import llama as L
 
 __all__ = ["HeadIn", "SegmentFns", "pack_ctl", "pack_prefill_ctl", "with_tokens", "unpack_ctl",
@@ -128,26 +128,41 @@ def segment_functions(seg: Segment, params: dict, caches, cfg, eos_ids, pad_id) 
         done_B = done_B | tf.reduce_any(tok_B[:, None] == eos_E[None, :], axis=-1)
         return tok_B, done_B
 
+    # Each stage's math runs under its stage's name scope (embed, block.i, head): XLA keeps the
+    # scopes in its ops' metadata, which is how a profile attributes compiled time to stages.
+    blocks = [(block_stage(i), p, ck, cv)
+              for i, p, (ck, cv) in zip(seg.blocks, params["blocks"], caches)]
+
     def prefill(x, ctl, mode, head_in, want_logits=False):
         first_slot, pad_B, first_row = ctl[0], ctl[1:-1], ctl[-1]  # pack_prefill_ctl
-        h_BxTxD = _embed(x, params) if seg.has_embed else x
-        for p, (ck, cv) in zip(params["blocks"], caches):
-            h_BxTxD = L.block_prefill(h_BxTxD, p, ck, cv, pad_B, cfg, first_slot, first_row)
+        if seg.has_embed:
+            with tf.name_scope("embed"):
+                x = _embed(x, params)
+        h_BxTxD = x
+        for stage, p, ck, cv in blocks:
+            with tf.name_scope(stage):
+                h_BxTxD = L.block_prefill(h_BxTxD, p, ck, cv, pad_B, cfg, first_slot, first_row)
         if not seg.has_head:
             return h_BxTxD
-        if want_logits:
-            return L.logits(h_BxTxD, params["final_norm"], params["out_DxV"], cfg)
-        T = h_BxTxD.shape[1]
-        return head(h_BxTxD[:, -1], T - pad_B, mode, HeadIn(*head_in))
+        with tf.name_scope("head"):
+            if want_logits:
+                return L.logits(h_BxTxD, params["final_norm"], params["out_DxV"], cfg)
+            T = h_BxTxD.shape[1]
+            return head(h_BxTxD[:, -1], T - pad_B, mode, HeadIn(*head_in))
 
     def decode(x, ctl, mode, head_in, window=None):
         slot, pad_B, tok_B = unpack_ctl(ctl, with_tokens=seg.has_embed)
-        h_Bx1xD = _embed(tok_B[:, None], params) if seg.has_embed else x
-        for p, (ck, cv) in zip(params["blocks"], caches):
-            h_Bx1xD = L.block_decode(h_Bx1xD, p, ck, cv, pad_B, slot, cfg, window)
+        if seg.has_embed:
+            with tf.name_scope("embed"):
+                x = _embed(tok_B[:, None], params)
+        h_Bx1xD = x
+        for stage, p, ck, cv in blocks:
+            with tf.name_scope(stage):
+                h_Bx1xD = L.block_decode(h_Bx1xD, p, ck, cv, pad_B, slot, cfg, window)
         if not seg.has_head:
             return h_Bx1xD
-        return head(h_Bx1xD[:, 0], slot + 1 - pad_B, mode, HeadIn(*head_in))
+        with tf.name_scope("head"):
+            return head(h_Bx1xD[:, 0], slot + 1 - pad_B, mode, HeadIn(*head_in))
 
     return SegmentFns(tf.function(prefill, jit_compile=True, reduce_retracing=False),
                       tf.function(decode, jit_compile=True, reduce_retracing=False))
@@ -207,7 +222,7 @@ def decode_function(segs, fns, mode: str, S: int, window: int | None,
     # is not involved until the chunk ends.
     loop_device = segs[-1].device
 
-    def run(tok_B, pad_B, slot, done_B, n_steps, floats_Bx2, ints_Bx2):
+    def decode_loop(tok_B, pad_B, slot, done_B, n_steps, floats_Bx2, ints_Bx2):
       with tf.device(loop_device):
         pad_B, n_steps, done_B, slot, tok_B = (tf.identity(t) for t in
                                                (pad_B, n_steps, done_B, slot, tok_B))
@@ -235,14 +250,14 @@ def decode_function(segs, fns, mode: str, S: int, window: int | None,
         return (tokens if fused else tokens.stack()), i, slot, tok_B, done_B
 
     if fused:
-        compiled = tf.function(run, jit_compile=True)
+        compiled = tf.function(decode_loop, jit_compile=True)
 
         @tf.function
         def graph(*args):  # TF cannot run a compiled function eagerly on a remote device
             with tf.device(loop_device):
                 return compiled(*args)
     else:
-        graph = tf.function(run)
+        graph = tf.function(decode_loop)
     return OnDevice(graph, loop_device)
 
 

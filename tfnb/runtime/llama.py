@@ -23,6 +23,7 @@ TensorShape([1, 3, 8])
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -39,6 +40,20 @@ __all__ = [
 ]
 
 _MASKED = -1e9  # finite, so a row with every slot masked (padding queries) stays NaN-free
+
+
+def _scoped(kind: str):
+    """Run the function's ops under name scope ``kind``. XLA keeps name scopes in its ops'
+    metadata, and the profiler reads a compiled op's kind from them (``tfnb.profiler.xplane``'s
+    ``SCOPE_KINDS``: norm, rope, attention, kv_cache, sampling); matmuls are told by their
+    op."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def scoped(*args, **kwargs):
+            with tf.name_scope(kind):
+                return fn(*args, **kwargs)
+        return scoped
+    return wrap
 
 
 class Packed(NamedTuple):
@@ -112,6 +127,7 @@ def dense(x_BxTxD, w_DxC):
     return tf.reshape(y_NxC, [B, T, y_NxC.shape[-1]])
 
 
+@_scoped("norm")
 def rms_norm(x_BxTxD, gain_D, eps):
     """``x / sqrt(mean(x^2) + eps) * gain``."""
     ms_BxTx1 = tf.reduce_mean(tf.square(x_BxTxD), axis=-1, keepdims=True)
@@ -124,6 +140,7 @@ def positions(pad_B, first_slot, T):
     return tf.maximum(slots_T[None, :] - pad_B[:, None], 0)
 
 
+@_scoped("rope")
 def rope_tables(pos_BxT, head_dim, theta):
     """cos and sin tables (B, T, E) for HF's rotate-half rotary layout."""
     inv_freq_E2 = 1.0 / (theta ** (tf.range(0, head_dim, 2, dtype=tf.float32) / head_dim))
@@ -132,6 +149,7 @@ def rope_tables(pos_BxT, head_dim, theta):
     return tf.cos(angle_BxTxE), tf.sin(angle_BxTxE)
 
 
+@_scoped("rope")
 def apply_rope(x_BxTxNxE, cos_BxTxE, sin_BxTxE):
     """Rotate each head: ``x cos + rotate_half(x) sin``, ``rotate_half([a, b]) = [-b, a]``."""
     a, b = tf.split(x_BxTxNxE, 2, axis=-1)
@@ -153,6 +171,7 @@ def decode_mask(pad_B, slot, S):
     return ((s_S[None, :] >= pad_B[:, None]) & (s_S[None, :] <= slot))[:, None, :]
 
 
+@_scoped("attention")
 def attention(q_BxTxHxE, k_BxKxSxE, v_BxKxSxE, mask_BxTxS):
     """Grouped-query attention; query head ``h`` reads KV head ``h // G`` (as HF ``repeat_kv``)."""
     B, T, H, E = q_BxTxHxE.shape
@@ -165,6 +184,7 @@ def attention(q_BxTxHxE, k_BxKxSxE, v_BxKxSxE, mask_BxTxS):
     return tf.reshape(tf.transpose(out_BxKxGxTxE, [0, 3, 1, 2, 4]), [B, T, H * E])
 
 
+@_scoped("kv_cache")
 def _write_cache(cache_BxKxSxE, new_BxKxTxE, first_slot, first_row=0) -> None:
     """Store ``new`` in cache slots ``[first_slot, first_slot + T)`` of rows ``[first_row,
     first_row + B)`` (in place under XLA)."""
@@ -237,9 +257,10 @@ def block_decode(x_Bx1xD, p: BlockParams, cache_k, cache_v, pad_B, slot, cfg, wi
     # The rows are gathered, not sliced: probed on TF 2.21's XLA:CPU (30 caches of SmolLM2's
     # shape, 8 rows, one core), reading rows [:B] of the updated cache made XLA copy every cache
     # in full each step for any 1 < B (about 40 ms, 3-5x a decode step), gathering them did not.
-    rows_B = tf.range(B)
-    k_BxKxSxE = tf.gather(cache_k.read_value()[:, :, :S], rows_B)
-    v_BxKxSxE = tf.gather(cache_v.read_value()[:, :, :S], rows_B)
+    with tf.name_scope("kv_cache"):
+        rows_B = tf.range(B)
+        k_BxKxSxE = tf.gather(cache_k.read_value()[:, :, :S], rows_B)
+        v_BxKxSxE = tf.gather(cache_v.read_value()[:, :, :S], rows_B)
     attn_Bx1xHE = attention(q_Bx1xHxE, k_BxKxSxE, v_BxKxSxE,
                             decode_mask(pad_B, slot, k_BxKxSxE.shape[2]))
     return _mlp_residual(x_Bx1xD, attn_Bx1xHE, p, cfg)
@@ -272,6 +293,7 @@ def logits(h_BxD, final_norm_D, out_DxV, cfg):
     return matmul(h_BxD, out_DxV)
 
 
+@_scoped("sampling")
 def next_token(logits_BxV, mode, temperature_B, top_k_B, top_p_B, seeds_Bx2):
     """The next token (B,) int32: ``argmax`` when ``mode == "greedy"``, else a sample per row.
 

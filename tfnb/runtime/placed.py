@@ -20,6 +20,7 @@ Examples
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import OrderedDict
 
 import numpy as np
@@ -146,6 +147,7 @@ class PlacedModel:
         self.eos_ids = eos
         self.pad_id = eos[0] if eos else 0
         self.scheduler = Scheduler(self, len(self.devices) if len(self.segments) > 1 else 1)
+        _LIVE.add(self)
         shared: dict = {}  # device -> the tied (D, V) embedding there
         if any(isinstance(w, PackedTensor) for w in weights.values()):
             check_packed_ops(self.devices, timeout=timeout)
@@ -198,6 +200,20 @@ class PlacedModel:
     def variables(self) -> list[tf.Variable]:
         """Every weight variable, in stage order."""
         return param_variables(self.params)
+
+    def bytes_per_step(self, rows: int, window: int) -> dict[str, dict]:
+        """What one decode step of ``rows`` sequences attending ``window`` cache slots reads
+        on each device: ``{device: {"weights": bytes, "kv_cache": bytes}}`` (weights as held
+        there, packed ones packed; the keys and values of every block there over the window)."""
+        cfg = self.config
+        slot_bytes = 2 * cfg.n_kv_heads * cfg.head_dim * 4  # one slot's key and value, float32
+        out: dict = {}
+        for dev in self.devices:
+            mine = [(seg, p) for seg, p in zip(self.segments, self.params) if seg.device == dev]
+            variables = param_variables([p for _, p in mine])  # a tied table counted once
+            out[dev] = {"weights": sum(v.shape.num_elements() * v.dtype.size for v in variables),
+                        "kv_cache": sum(len(seg.blocks) for seg, _ in mine) * rows * window * slot_bytes}
+        return out
 
     def program(self, B: int, S: int, owner="logits") -> Program:
         """The compiled functions over a set of KV caches for batch ``B`` and ``S`` slots,
@@ -375,6 +391,14 @@ class PlacedModel:
         segs = ", ".join(f"{s.stages[0]}..{s.stages[-1]}@{s.device}" if len(s.stages) > 1
                          else f"{s.stages[0]}@{s.device}" for s in self.segments)
         return f"PlacedModel({self.name or 'llama'}: {segs})"
+
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+def live_models() -> list[PlacedModel]:
+    """Every placed model this process still holds (a profile finds the ones that ran in it)."""
+    return list(_LIVE)
 
 
 def _fetched(fn):

@@ -147,6 +147,9 @@ class Lane:
         self.owners: list[Ticket | None] = []
         self.slot = 0
         self.steps = self.calls = self.shifts = self.peak_rows = 0
+        # (start ns, end ns, steps, rows B, window) of recent decode calls: what a profile
+        # reads to know how many cache slots each step read (tfnb.profiler.bound)
+        self.chunks: deque = deque(maxlen=4096)
         self.thread: threading.Thread | None = None
         self.joining: Ticket | None = None
 
@@ -340,12 +343,14 @@ class Lane:
             floats[r], ints[r] = t.floats, t.ints
             modes.add(t.mode)
         mode = max(modes, key=_MODES.index)
+        t0 = time.time_ns()
         tokens, count, slot, _, _ = pm.run(
             self.program.decode_fn(mode, window),
             (tok, pad, np.int32(self.slot), done, np.int32(n), floats, ints),
             what="generate", lock=self.lock)
         self.calls += 1
         self.steps += int(count)
+        self.chunks.append((t0, time.time_ns(), int(count), B, window))
         self.slot = int(slot)
         owners = list(dict.fromkeys(self.owners[r] for r, _ in busy))
         self._deliver(tokens[:int(count)], owners)
@@ -409,3 +414,9 @@ class Scheduler:
     def busy_rows(self) -> list[int]:
         """Rows in use per lane."""
         return [lane.busy_rows() for lane in self.lanes]
+
+    def decode_chunks(self, t_begin: int, t_end: int) -> list[tuple[int, int, int]]:
+        """``(steps, rows, window)`` of each decode call that ran within ``[t_begin, t_end]``
+        (``time.time_ns()``), over every lane."""
+        return [(n, B, window) for lane in self.lanes for t0, t1, n, B, window in list(lane.chunks)
+                if t0 >= t_begin and t1 <= t_end]
