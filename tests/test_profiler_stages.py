@@ -161,3 +161,25 @@ def test_a_profile_of_other_code_says_there_are_no_stages(cluster):
     with pytest.raises(ProfileError, match="plan="):
         prof.stage_times(plan=42)
     assert prof.bound()["devices"] == []
+
+
+def test_a_call_that_compiles_reports_its_compile_apart_from_its_run(cluster, tiny_llama):
+    w0, w1 = cluster.devices[:2]
+    placed = tfnb.place(tiny_llama, {"embed": w0, "block.0": w0, "block.1": w1, "head": w1}, cluster)
+    placed.eos_ids = ()
+    with tfnb.profiler.profile(cluster, timeout=60) as first:  # compiles every segment
+        placed.generate_ids([PROMPT], max_new_tokens=6)
+    with tfnb.profiler.profile(cluster, timeout=30) as again:  # runs what is compiled
+        placed.generate_ids([PROMPT], max_new_tokens=6)
+    compiled = {r["device"]: r for r in first.compiles()}
+    assert set(compiled) == {w0, w1} and all(r["count"] >= 2 and r["compile_ms"] > 5 for r in compiled.values())
+    assert again.compiles() == []
+    busy = {r["device"]: r for r in first.busy()}
+    for dev in (w0, w1):
+        r = busy[dev]
+        assert r["compile_ms"] == pytest.approx(compiled[dev]["compile_ms"], rel=0.05)
+        assert r["compute_ms"] + r["compile_ms"] + r["send_recv_ms"] + r["idle_ms"] == pytest.approx(first.wall_ms)
+        # the run itself costs about what it costs once compiled, not the compile
+        assert r["compute_ms"] < r["compile_ms"]
+    assert first.stage_times()  # the run's compiled ops still count to their stages
+    assert "compiled: worker:0/CPU:0" in str(first) and "compiled:" not in str(again)

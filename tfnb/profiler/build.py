@@ -105,18 +105,21 @@ def build(raw: dict, library: Library | None = None) -> dict:
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
     t_begin, t_end = raw["t_begin"], raw["t_end"]
-    records, functions, shifts, compiled = [], {}, {}, []
+    records, functions, shifts, compiled, compiles = [], {}, {}, [], []
     for host, (task, data, (t0, t1)) in raw["spaces"].items():
         space = xplane_pb2.XSpace.FromString(data)
         shifts[host] = shift = clock_shift(start_time_ns(space), t0, t1)
-        evs, fns, hlo = parse_space(space, _device_namer(task), shift_ns=shift - t_begin)
-        records.extend(evs)
-        functions.update(fns)
-        compiled.extend(hlo)
+        parsed = parse_space(space, _device_namer(task), shift_ns=shift - t_begin)
+        records.extend(parsed.ops)
+        functions.update(parsed.functions)
+        compiled.extend(parsed.compiled)
+        compiles.extend(parsed.compiles)
     window = t_end - t_begin
-    records = [r for r in records if r["start"] + r["dur"] > 0 and r["start"] < window]
-    compiled = sorted((r for r in compiled if r["start"] + r["dur"] > 0 and r["start"] < window),
+
+    def inside(rows):
+        return sorted((r for r in rows if r["start"] + r["dur"] > 0 and r["start"] < window),
                       key=lambda r: r["start"])
+    records, compiled, compiles = inside(records), inside(compiled), inside(compiles)
 
     groups: dict = {}
     for r in records:
@@ -147,4 +150,4 @@ def build(raw: dict, library: Library | None = None) -> dict:
               for r in sorted(records, key=lambda r: r["start"])]
     offsets = {host: -shift for host, shift in shifts.items()}
     return {"events": events, "functions": functions, "window_ns": window, "offsets_ns": offsets,
-            "compiled": compiled}
+            "compiled": compiled, "compiles": compiles}

@@ -6,7 +6,7 @@ from tfnb.errors import ProfileError
 from tfnb.names import short_device
 from tfnb.profiler.xplane import COMPILED_KINDS
 
-COLORS = {"compute": "#4c78a8", "send/receive": "#f58518", "idle": "#d9d9d9"}
+COLORS = {"compute": "#4c78a8", "compile": "#9d755d", "send/receive": "#f58518", "idle": "#d9d9d9"}
 
 
 def _new(nrows=1, ncols=1, size=(7.0, 3.0)):
@@ -24,7 +24,11 @@ def busy(prof, ax, fractions: dict | None = None) -> None:
     labels = [short_device(r["device"]) + (f"\n{fractions[r['device']]:.0%} of bound"
                                            if fractions.get(r["device"]) else "") for r in rows]
     left = [0.0] * len(rows)
-    for key, cat in (("compute_ms", "compute"), ("send_recv_ms", "send/receive"), ("idle_ms", "idle")):
+    compiled = any(r["compile_ms"] for r in rows)
+    for key, cat in (("compute_ms", "compute"), ("compile_ms", "compile"), ("send_recv_ms", "send/receive"),
+                     ("idle_ms", "idle")):
+        if cat == "compile" and not compiled:
+            continue
         vals = [r[key] for r in rows]
         ax.barh(labels, vals, left=left, color=COLORS[cat], label=cat)
         left = [a + b for a, b in zip(left, vals)]
@@ -38,9 +42,11 @@ def timeline(prof, ax, max_ops: int = 20000) -> None:
     """One lane per device; ops as boxes coloured by category, on the merged time axis."""
     lanes = prof.devices
     for i, dev in enumerate(lanes):
-        for cat in ("compute", "send/receive"):
-            spans = [(e.start / 1e6, max(e.dur / 1e6, 1e-4)) for e in prof.events[:max_ops]
-                     if e.device == dev and e.category == cat]
+        for cat in ("compute", "compile", "send/receive"):
+            spans = ([(c["start"] / 1e6, c["dur"] / 1e6) for c in prof.compile_spans() if c["device"] == dev]
+                     if cat == "compile" else
+                     [(e.start / 1e6, max(e.dur / 1e6, 1e-4)) for e in prof.events[:max_ops]
+                      if e.device == dev and e.category == cat])
             if spans:
                 ax.broken_barh(spans, (i - 0.4, 0.8), facecolors=COLORS[cat], label=cat if i == 0 else None)
     ax.set_yticks(range(len(lanes)), [short_device(d) for d in lanes])

@@ -164,10 +164,12 @@ class Profile:
 
     # --- tables ---------------------------------------------------------------------------
     def busy(self) -> list[dict]:
-        """Per device: compute, send/receive (incl. waiting for data) and idle time in the block.
+        """Per device: compute, XLA compile, send/receive (incl. waiting for data) and idle time
+        in the block.
 
-        ``compute_ms + send_recv_ms + idle_ms == wall_ms``: overlapping ops on several threads
-        are counted once (compute first).
+        ``compute_ms + compile_ms + send_recv_ms + idle_ms == wall_ms``: overlapping ops on
+        several threads are counted once (compute first, then compile). A call that compiled
+        counts its compile as ``compile_ms`` (see :meth:`compiles`), its run as compute.
 
         Examples
         --------
@@ -178,12 +180,38 @@ class Profile:
         for dev in self.devices:
             evs = [e for e in self.events if e.device == dev]
             spans = {c: [(e.start, e.start + e.dur) for e in evs if e.category == c] for c in ("compute", "send/receive")}
+            spans["compile"] = [(c["start"], c["start"] + c["dur"]) for c in self._built["compiles"] if c["device"] == dev]
             compute = union_ns(spans["compute"], 0, self.window_ns)
-            busy = union_ns(spans["compute"] + spans["send/receive"], 0, self.window_ns)
-            rows.append({"device": dev, "compute_ms": compute / _MS, "send_recv_ms": (busy - compute) / _MS,
-                         "idle_ms": (self.window_ns - busy) / _MS, "busy_ms": busy / _MS,
-                         "wall_ms": self.wall_ms, "ops": len(evs)})
+            working = union_ns(spans["compute"] + spans["compile"], 0, self.window_ns)
+            busy = union_ns(spans["compute"] + spans["compile"] + spans["send/receive"], 0, self.window_ns)
+            rows.append({"device": dev, "compute_ms": compute / _MS, "compile_ms": (working - compute) / _MS,
+                         "send_recv_ms": (busy - working) / _MS, "idle_ms": (self.window_ns - busy) / _MS,
+                         "busy_ms": busy / _MS, "wall_ms": self.wall_ms, "ops": len(evs)})
         return rows
+
+    def compile_spans(self) -> list[dict]:
+        """Each XLA compile in the block: ``device``, ``name`` (the call's node), ``start`` and
+        ``dur`` (ns)."""
+        self._check()
+        return self._built["compiles"]
+
+    def compiles(self) -> list[dict]:
+        """The XLA compiles in the block, one row per device that compiled: ``count`` calls
+        that compiled and ``compile_ms`` they spent compiling (before they ran), apart from the
+        compute, timeline and transfers of the run itself.
+
+        Examples
+        --------
+        >>> prof.compiles()                                         # doctest: +SKIP
+        [{'device': '/job:worker/replica:0/task:0/device:CPU:0', 'count': 2, 'compile_ms': 612.4}]
+        """
+        self._check()
+        rows: dict = {}
+        for c in self.compile_spans():
+            r = rows.setdefault(c["device"], {"device": c["device"], "count": 0, "compile_ms": 0.0})
+            r["count"] += 1
+            r["compile_ms"] += c["dur"] / _MS
+        return [rows[d] for d in self.devices if d in rows]
 
     def steps(self) -> list[dict]:
         """One row per step (one call of a ``tf.function``, on every device it touched).
@@ -535,6 +563,8 @@ class Profile:
         lines = [repr(self)]
         lines += [f"  not traced: {k}: {v}" for k, v in self.reasons.items()]
         lines += [f"  {line}" for line in self.headline()]
+        lines += [f"  compiled: {short_device(r['device'])} {r['compile_ms']:.1f} ms in {r['count']} XLA call(s) "
+                  "(not in the compute column)" for r in self.compiles()]
         lines.append(f"  {'device':<22}{'compute':>10}{'send/recv':>11}{'idle':>10}  (ms)")
         lines += [f"  {short_device(r['device']):<22}{r['compute_ms']:>10.2f}{r['send_recv_ms']:>11.2f}{r['idle_ms']:>10.2f}"
                   for r in self.busy()]

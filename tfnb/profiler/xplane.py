@@ -14,6 +14,10 @@ What the traces hold (probed on TF 2.21, host tracer level 3 on CPU workers):
   that id is the same on every worker for one call of a multi-device function;
 * the ``Task Environment`` plane reports ``profile_start_time`` (ns since the epoch, the host's
   own clock) and line timestamps are relative to it;
+* an XLA call that compiles does so inside its ``StatefulPartitionedCall`` event, before it
+  runs: ``HLO passes ...`` and ``CpuCompiler::RunBackend`` (``GpuCompiler::...`` on GPUs) mark
+  the compiler, ``CpuExecutable::ExecuteAsyncOnStream`` the run. The call's time up to its
+  last compiler event is its compile (tf2xla's lowering before them has no event of its own);
 * inside an XLA call each HLO op of the executable is one event named after the instruction
   (``MatMul.4``, ``subtract_exponential_fusion``) with ``hlo_module`` and ``hlo_op`` stats, on
   the calling thread (an op that calls computations, a ``while``, spans its body's events).
@@ -57,7 +61,8 @@ def op_kind(op: str) -> str:
 
 _PARTITION = re.compile(r"^(.*?)_partitioned_\d+_\d+$")
 _EPOCH_NS = 10**15  # line timestamps below this are relative to profile_start_time
-_OP, _EXEC, _RUN, _EAGER, _HLO = range(5)  # kinds of event parse_space keeps
+_OP, _EXEC, _RUN, _EAGER, _HLO, _COMPILE = range(6)  # kinds of event parse_space keeps
+_COMPILER = re.compile(r"Compiler::RunBackend$|Compiler::RunHloPasses$|^HLO passes")
 
 
 class Event(NamedTuple):
@@ -213,15 +218,21 @@ def _is_op(op: str, _cache: dict = {}) -> bool:
     return _cache[op]
 
 
-def parse_space(space, device_of, *, shift_ns: int) -> tuple[list[dict], dict[int, str], list[dict]]:
+class Parsed(NamedTuple):
+    """What :func:`parse_space` reads from one XSpace (times in ns, on the shifted axis)."""
+    ops: list        # TF op events as dicts (a compiling call's starts after its compile)
+    functions: dict  # {step id: function name} of the steps that started a function here
+    compiled: list   # HLO op events with their stage and kind (see compiled_ops)
+    compiles: list   # {device, thread, name, start, dur}: the compile inside each XLA call
+
+
+def parse_space(space, device_of, *, shift_ns: int) -> Parsed:
     """Op events of one XSpace as dicts with absolute times (host clock + ``shift_ns``).
 
-    ``device_of(plane_name)`` names the TF device of a plane (None: skip the plane). Returns the
-    events, ``{step id: function name}`` for the steps that started a function here, and the
-    compiled (HLO) op events with their stage and kind (see :func:`compiled_ops`).
+    ``device_of(plane_name)`` names the TF device of a plane (None: skip the plane).
     """
     base = start_time_ns(space) or 0
-    out, functions, compiled = [], {}, []
+    out, functions, compiled, compiles = [], {}, [], []
     modules = {}  # "module(program id)" -> {instruction: CompiledOp}
     for plane in space.planes:
         if plane.name == "/host:metadata":
@@ -259,10 +270,12 @@ def parse_space(space, device_of, *, shift_ns: int) -> tuple[list[dict], dict[in
                     kinds[mid] = (_OP, node, op, meta_stats)
             elif name in hlo_names:
                 kinds[mid] = (_HLO, name)
+            elif _COMPILER.search(name):
+                kinds[mid] = (_COMPILE,)
         for line in plane.lines:
             t0 = line.timestamp_ns + (base if line.timestamp_ns < _EPOCH_NS else 0) + shift_ns
             thread = line.name or str(line.id)
-            execs, ops, calls = [], [], []
+            execs, ops, calls, compiling = [], [], [], []
             for e in line.events:
                 kind = kinds.get(e.metadata_id)
                 if kind is None:
@@ -275,6 +288,8 @@ def parse_space(space, device_of, *, shift_ns: int) -> tuple[list[dict], dict[in
                                 "op": kind[2], "start": start, "dur": dur, "stats": stats or None})
                 elif kind[0] == _EAGER:
                     calls.append((start, start + dur, kind[1]))
+                elif kind[0] == _COMPILE:
+                    compiling.append((start, start + dur))
                 elif kind[0] == _HLO:
                     st = {s.metadata_id: s for s in e.stats}
                     mod, prog = st.get(module_stat), st.get(program_stat)
@@ -295,6 +310,14 @@ def parse_space(space, device_of, *, shift_ns: int) -> tuple[list[dict], dict[in
                 while i >= 0 and execs[i][1] < ev["start"] + ev["dur"]:
                     i -= 1
                 ev["step"] = execs[i][2] if i >= 0 else None
+            for ev in ops if compiling else ():  # a call that compiled: split its time
+                s0, s1 = ev["start"], ev["start"] + ev["dur"]
+                ends = [c1 for c0, c1 in compiling if s0 <= c0 and c1 <= s1]
+                if ends and op_kind(ev["op"]) == "compiled":
+                    done = max(ends)
+                    compiles.append({"device": device, "thread": thread, "name": ev["name"],
+                                     "start": s0, "dur": done - s0})
+                    ev["start"], ev["dur"] = done, s1 - done
             out.extend(ops)
             fn_spans = [c for c in calls if isinstance(c[2], str)]
             for s, e, sid in (c for c in calls if isinstance(c[2], int)):
@@ -302,7 +325,7 @@ def parse_space(space, device_of, *, shift_ns: int) -> tuple[list[dict], dict[in
                 if fname:
                     m = _PARTITION.match(fname)
                     functions[sid] = m.group(1) if m else fname
-    return out, functions, compiled
+    return Parsed(out, functions, compiled, compiles)
 
 
 def parse_shapes(text: str | None) -> list[tuple[str | None, list[int | None] | None]] | None:
