@@ -2,9 +2,12 @@
 
 The test starts JupyterLab on 127.0.0.1 (random token, free port) over a copy of notebooks/, opens
 01-quickstart.ipynb, runs every cell above the last (``cluster.stop()``) from the Run menu, then
-uses the placement widget as a user would: one row per stage, pick another device for the stage at
-the boundary between the two workers, click Apply, read the status line, the dataflow picture and
-the kernel's ``editor.placed``. It also checks the profile figure (``prof.plot("busy")``) is an
+uses the placement widget as a user would: one range row per device (first and last stage), the
+per-stage rows in a collapsed detail that it opens, then with the keyboard types a position
+past the chain into the first worker's last-stage field (refused, one line) and steps it back
+by one with ArrowDown (the second worker's first stage follows), checks the dataflow picture,
+the figures and the detail rows, clicks Apply, reads the status line and the kernel's
+``editor.placed``. It also checks the profile figure (``prof.plot("busy")``) is an
 image. Screenshots go to ``artifacts/browser/`` (widget before and after Apply, the profile figure,
 the whole page on failure).
 
@@ -178,6 +181,18 @@ def _spans(names, devices):
     return [(s[0] if len(s) == 1 else f"{s[0]} .. {s[-1]} ({len(s)})") for _, s in runs]
 
 
+def _range_fields(ranges) -> list[tuple[str, int, int]]:
+    """Each range row as (device label, first position, last position), as its fields show."""
+    return [(r[0], int(r[1]), int(r[2])) for r in ranges.evaluate_all(
+        "rs => rs.map(r => [r.querySelector('.widget-html-content').textContent.trim(), "
+        "...[...r.querySelectorAll('input')].map(i => i.value)])")]
+
+
+def _spans_of(plan_text) -> list[str]:
+    """The runs of the plan's table without their counts, e.g. ``embed .. block.16``."""
+    return re.findall(r"(\S+ \.\. \S+) \(\d+\)", plan_text)
+
+
 def _full_device(label: str) -> str:
     """The widget's short label ``worker:1/CPU:0`` as TensorFlow's full device name."""
     job, task, dev = re.fullmatch(r"([^:/]+):(\d+)/(.+)", label).groups()
@@ -265,15 +280,32 @@ def _drive(page, lab, shots):
     assert len(runs) == 2, f"the plan splits the model over both workers: {plan_text[:600]}"
     n_stages = sum(runs)
 
-    # The widget rendered (not "Loading widget..."), with one row and one dropdown per stage.
+    # The widget rendered (not "Loading widget..."): one range row per device, in pipeline order.
     widget = nb.locator(".jp-OutputArea-output").filter(
         has=page.locator("h4", has_text="Placement of"))
     widget.locator(".jupyter-widgets").first.wait_for()
     assert "Loading widget" not in nb.inner_text()
     header = widget.locator("h4").inner_text()
     assert f"{n_stages} stages" in header, (header, n_stages)
+    ranges = widget.locator(".tfnb-range")
+    assert ranges.count() == 2, ranges.all_inner_texts()
+    shown = _range_fields(ranges)
+    assert [r[1:] for r in shown] == [(0, runs[0] - 1), (runs[0], n_stages - 1)], shown
+    summaries = [t.strip() for t in ranges.locator(".widget-html-content").all_inner_texts()[1::2]]
+    assert [s.split(" (")[0] for s in summaries] == _spans_of(plan_text), (summaries, plan_text)
+    apply = widget.locator("button", has_text="Apply")
+    # The status line beside Apply (the line under it, Apply's disabled reason, is another span).
+    status = widget.locator(".widget-hbox").filter(
+        has=page.locator("button", has_text="Apply")).locator(
+        ".tfnb-status, .tfnb-status-error")
+    assert status.inner_text().startswith("applied"), status.inner_text()  # the notebook's apply()
+
+    # The per-stage rows are a collapsed detail, made when opened: open it, one row per stage.
     rows = widget.locator(".tfnb-row")
-    assert rows.count() == n_stages
+    assert rows.count() == 0, "the per-stage detail is made before it is opened"
+    widget.locator(".jupyter-widget-Collapse-header", has_text="per-stage detail").click()
+    _wait(f"the per-stage detail to show {n_stages} rows", 60, lambda: rows.count() == n_stages,
+          lambda: rows.count())
     assert widget.locator(".tfnb-row select").count() == n_stages
     heights = rows.evaluate_all("rs => rs.map(r => [r.getBoundingClientRect().height, "
                                 "r.querySelector('select').getBoundingClientRect().height])")
@@ -282,24 +314,42 @@ def _drive(page, lab, shots):
     names = [t.strip() for t in rows.locator(".widget-html-content").all_inner_texts()]
     devices = rows.locator("select").evaluate_all("ss => ss.map(s => s.value)")
     assert len(names) == len(devices) == n_stages and len(set(devices)) == 2, devices
-    apply = widget.locator("button", has_text="Apply")
-    # The status line beside Apply (the line under it, Apply's disabled reason, is another span).
-    status = widget.locator(".widget-hbox").filter(
-        has=page.locator("button", has_text="Apply")).locator(
-        ".tfnb-status, .tfnb-status-error")
-    assert status.inner_text().startswith("applied"), status.inner_text()  # the notebook's apply()
+    k = devices.index(devices[-1])           # first stage on the second device
+    assert k == runs[0] and devices[0] == shown[0][0], (devices, shown)  # short labels
     _shot(widget, "widget-before-apply.png", shots)
 
-    # Move the first worker's last stage to the second worker (the split moves up by one).
-    k = devices.index(devices[-1])           # first stage on the second device
+    # With the keyboard, in the first device's last-stage field: a position past the chain is
+    # refused in one line and the field goes back; then ArrowDown moves the split up by one
+    # stage: the second device's first stage follows, and the picture, the figures and the
+    # detail rows update.
     moved, target = names[k - 1], devices[k]
-    new_devices = devices[:k - 1] + [target] * (n_stages - k + 1)
-    rows.nth(k - 1).locator("select").select_option(label=target)
-    want_spans = _spans(names, new_devices)
+    figures = widget.locator(".tfnb-figures")
+    figures_before = figures.inner_text()
+    last_field = ranges.nth(0).locator("input").nth(1)
+    last_field.focus()
+    page.keyboard.press("Control+A")
+    page.keyboard.type("999")
+    page.keyboard.press("Enter")
+    _wait("the widget to refuse position 999", 60,
+          lambda: "last=999: expected" in status.inner_text() and
+          last_field.input_value() == str(k - 1), lambda: (status.inner_text(),
+                                                           last_field.input_value()))
+    assert "tfnb-status-error" in status.get_attribute("class")
+    page.keyboard.press("ArrowDown")
+    want_spans = _spans(names, devices[:k - 1] + [target] * (n_stages - k + 1))
     svg_spans = widget.locator("svg.tfnb-dataflow g.tfnb-segment text:first-of-type")
     _wait(f"the dataflow picture to show {want_spans}", 120,
           lambda: svg_spans.all_text_contents() == want_spans,
-          lambda: svg_spans.all_text_contents())
+          lambda: (svg_spans.all_text_contents(), status.inner_text()))
+    _wait("the range rows to show the new boundary", 60,
+          lambda: [r[1:] for r in _range_fields(ranges)] == [(0, k - 2), (k - 1, n_stages - 1)],
+          lambda: (_range_fields(ranges), status.inner_text()))
+    _wait("the detail row to show the moved stage's new device", 60,
+          lambda: rows.nth(k - 1).locator("select").input_value() == target,
+          lambda: rows.nth(k - 1).locator("select").input_value())
+    _wait("the predicted figures to change", 60, lambda: figures.inner_text() != figures_before)
+    assert status.inner_text() == f"{shown[0][0]} runs {names[0]} .. {names[k - 2]}", \
+        status.inner_text()
     assert apply.is_enabled(), widget.inner_text()[-800:]
     apply.click()
 

@@ -276,9 +276,8 @@ def test_one_row_per_device_and_the_per_stage_rows_a_collapsed_lazy_detail(long_
     editor.set_ranges({devices[0]: ("embed", "block.11"), devices[1]: ("block.12", "head")})
     ranges = editor.range_rows
     assert ranges.order == tuple(devices) and list(editor.ranges) == devices
-    assert [(ranges.firsts[d].label, ranges.lasts[d].label) for d in devices] == \
-        [("embed", "block.11"), ("block.12", "head")]
-    assert ranges.summaries[devices[1]].value == "19 stages"
+    assert [(ranges.firsts[d].value, ranges.lasts[d].value) for d in devices] == [(0, 12), (13, 31)]
+    assert ranges.summaries[devices[1]].value == "block.12 .. head (19 stages)"
     assert _spans(editor) == ["embed .. block.11 (13)", "block.12 .. head (19)"]
     detail = editor.widgets.detail
     assert detail.selected_index is None and "per-stage detail (32 stages)" in detail.titles[0]
@@ -289,7 +288,7 @@ def test_one_row_per_device_and_the_per_stage_rows_a_collapsed_lazy_detail(long_
     assert editor.rows.built and len(editor.rows.widget.children) == 2
     assert {s: d.value for s, d in editor.rows.dropdowns.items()} == editor.assignment
     editor.rows.dropdowns["block.12"].value = devices[0]   # a per-stage edit shows in the ranges
-    assert ranges.lasts[devices[0]].label == "block.12" and editor.ranges[devices[1]] == \
+    assert ranges.lasts[devices[0]].value == 13 and editor.ranges[devices[1]] == \
         [("block.13", "head")]
 
 
@@ -314,7 +313,7 @@ def test_a_range_edit_on_200_stages_and_8_devices_updates_everything(capsys):
     want[50:60], want[60:75] = [devices[2]] * 10, [devices[3]] * 15
     assert editor.assignment == dict(zip(names, want))
     assert editor.ranges[devices[3]] == [(names[60], names[99])]      # the next device's first
-    assert editor.range_rows.firsts[devices[3]].label == names[60] == "block.59"
+    assert editor.range_rows.firsts[devices[3]].value == 60 and names[60] == "block.59"
     assert editor.status == "worker:2/CPU:0 runs block.49 .. block.58" and editor.error == ""
     after = editor.plan.prediction
     assert after != before and after.memory[devices[3]] > before.memory[devices[3]]
@@ -337,7 +336,7 @@ def test_bad_ranges_are_refused_with_one_clear_message():
                         ((devices[1], 15, 12), ["comes after", "first <= last"]),
                         ((devices[1], 22, 25), ["worker:2/CPU:0 would run 2 separate ranges"]),
                         ((devices[1], 5, 35), ["takes every stage of worker:2/CPU:0",
-                                               "'—' in worker:2/CPU:0's row"]),
+                                               "the x button of its row"]),
                         (("worker:9/CPU:0", 0, 3), ["'worker:9/CPU:0'", "expected one of"])]:
         with pytest.raises(PlacementError) as info:
             editor.set_range(*args)
@@ -354,7 +353,11 @@ def test_bad_ranges_are_refused_with_one_clear_message():
     last.value = 35                                       # what a browser would send
     assert editor.error.startswith("range of worker:0/CPU:0") and "takes every stage" in \
         editor.error and html.escape(editor.error) in editor.widgets.status.value
-    assert last.value == 9 and editor.assignment == kept    # the menu went back to the plan
+    assert last.value == 9 and editor.assignment == kept    # the field went back to the plan
+    for field, value in [(last, 999), (editor.range_rows.firsts[devices[0]], NONE)]:
+        field.value = value                               # typed, or ArrowDown at position 0
+        assert f"={value}: expected a stage name ('embed' .. 'head') or a position 0 .. 39" in \
+            editor.error and editor.assignment == kept and field.value in (0, 9)
     last.value = 11                                       # a good edit clears the error
     assert editor.error == "" and editor.ranges[devices[1]] == [(names[12], names[19])]
 
@@ -365,7 +368,8 @@ def test_a_device_joins_hands_over_and_leaves_the_pipeline():
     editor.set_ranges({devices[0]: (0, 11), devices[1]: (12, 23)})
     assert editor.mode == "manual" and editor.range_rows.order == tuple(devices)
     new = editor.range_rows
-    assert (new.firsts[devices[2]].value, new.summaries[devices[2]].value) == (NONE, "unused")
+    assert (new.firsts[devices[2]].value, new.summaries[devices[2]].value) == \
+        (NONE, "unused: type a position to add it") and new.removes[devices[2]].disabled
     new.lasts[devices[2]].value = 23                      # an unused device picks the head
     assert editor.ranges == {devices[0]: [("embed", "block.10")],
                              devices[1]: [("block.11", "block.21")], devices[2]: [("head", "head")]}
@@ -375,9 +379,9 @@ def test_a_device_joins_hands_over_and_leaves_the_pipeline():
     assert list(editor.ranges) == [devices[1], devices[0], devices[2]]
     assert editor.ranges[devices[1]] == [("embed", "block.10")]
     assert new.order == (devices[1], devices[0], devices[2])       # rows in pipeline order
-    new.firsts[devices[0]].value = NONE                   # "—": worker:0 leaves the pipeline
+    new.removes[devices[0]].click()                       # x: worker:0 leaves the pipeline
     assert editor.ranges == {devices[1]: [("embed", "block.18")], devices[2]: [("block.19", "head")]}
-    assert new.order[-1] == devices[0] and new.summaries[devices[0]].value == "unused"
+    assert new.order[-1] == devices[0] and new.firsts[devices[0]].value == NONE
     editor.set_range(devices[1])
     assert editor.ranges == {devices[2]: [("embed", "head")]}
     with pytest.raises(PlacementError, match="runs every stage"):
@@ -392,8 +396,8 @@ def test_non_contiguous_plans_show_every_run_and_a_range_edit_packs_them():
     assert [len(r) for r in editor.ranges.values()] == [6, 6] and len(_spans(editor)) == 12
     summary = editor.range_rows.summaries[devices[0]].value
     assert summary.startswith("6 stages in 6 runs: embed, block.1, ") and summary.endswith("block.9")
-    assert (editor.range_rows.firsts[devices[1]].label,
-            editor.range_rows.lasts[devices[1]].label) == ("block.0", "head")   # its span
+    assert (editor.range_rows.firsts[devices[1]].value,
+            editor.range_rows.lasts[devices[1]].value) == (1, 11)               # its span
     editor.set_range(devices[0], "embed", "block.5")      # packed first (6 + 6), then edited
     assert editor.ranges == {devices[0]: [("embed", "block.5")], devices[1]: [("block.6", "head")]}
     assert _spans(editor) == ["embed .. block.5 (7)", "block.6 .. head (5)"]

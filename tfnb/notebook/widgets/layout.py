@@ -16,7 +16,7 @@ from traitlets import link
 
 from tfnb.errors import PlacementError, TfnbError
 from tfnb.names import EDITOR_MODES, OBJECTIVES, PIPELINE_PLANNERS
-from tfnb.notebook.widgets.ranges import NONE, RangeRows
+from tfnb.notebook.widgets.ranges import RangeRows
 from tfnb.notebook.widgets.views import STYLE, MemoryBars, StageRows, one_line
 
 __all__ = ["build", "EditorWidgets"]
@@ -115,14 +115,11 @@ def _guarded(editor, fn, *args) -> None:
         editor.report(error=one_line(e))
 
 
-def _pick_range(editor, device: str, first: int, last: int) -> None:
-    """A range picked in a row (stage positions, ``NONE``: take the device out of the pipeline);
-    a refused range becomes the editor's one-line error and the menus go back to the plan."""
+def _pick_range(editor, device: str, first, last) -> None:
+    """A range typed in a row (stage positions; None, None: take the device out); a refused
+    range becomes the editor's one-line error and the fields go back to the plan."""
     try:
-        if first == NONE:
-            editor.set_range(device)
-        else:
-            editor.set_range(device, first, last)
+        editor.set_range(device, first, last)
     except PlacementError as e:
         editor.report(error=one_line(e))
         editor.widgets.ranges.show(editor.assignment, editor.over_memory, force=True)

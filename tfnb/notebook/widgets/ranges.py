@@ -1,7 +1,7 @@
 """Placement by ranges: each device runs one contiguous range of stages, edited by its ends.
 
 The pure functions here turn an assignment (stage -> device) into ranges and back;
-:class:`RangeRows` shows them, one row per device with a first-stage and a last-stage menu.
+:class:`RangeRows` shows them, one row per device with its first and last stage.
 
 Rules of a range edit (:func:`with_range`, what ``PlacementEditor.set_range`` does):
 
@@ -13,7 +13,7 @@ Rules of a range edit (:func:`with_range`, what ``PlacementEditor.set_range`` do
 - a range exactly equal to another device's range hands that range over (the other device drops
   out of the pipeline); any other range that would take all of a device's stages, or leave some
   device two separate runs, is refused, naming that device (so stepping a boundary never loses
-  a device by accident: taking one out is explicit, ``set_range(device)`` or "—" in its row);
+  a device by accident: taking one out is explicit, ``set_range(device)`` or its row's button);
 - an assignment where a device runs several separate runs (a hand-made or ``greedy`` plan) is
   first packed (:func:`pack`): devices in the order of their first stage, each keeping its
   number of stages. Editing by ranges therefore always gives a contiguous pipeline.
@@ -32,7 +32,7 @@ from tfnb.notebook.widgets.dataflow import device_colors
 __all__ = ["stage_position", "device_runs", "pack", "with_range", "from_ranges", "RangeRows",
            "NONE"]
 
-NONE = -1   # the range menus' value for "no stage" (an unused device)
+NONE = -1   # the range fields' value for "no stage" (an unused device)
 
 
 def stage_position(names, stage, what: str = "stage") -> int:
@@ -41,7 +41,7 @@ def stage_position(names, stage, what: str = "stage") -> int:
     Examples
     --------
     >>> names = ["embed", "block.0", "block.1", "head"]
-    >>> stage_position(names, "block.1"), stage_position(names, -1)
+    >>> stage_position(names, "block.1"), stage_position(names, 3)
     (2, 3)
     >>> stage_position(names, "block.9", "last")
     Traceback (most recent call last):
@@ -52,8 +52,8 @@ position 0 .. 3
     if isinstance(stage, str) and stage in names:
         return list(names).index(stage)
     n = len(names)
-    if isinstance(stage, int) and not isinstance(stage, bool) and -n <= stage < n:
-        return stage % n
+    if isinstance(stage, int) and not isinstance(stage, bool) and 0 <= stage < n:
+        return int(stage)
     raise PlacementError(f"{what}={stage!r}: expected a stage name ({names[0]!r} .. "
                          f"{names[-1]!r}) or a position 0 .. {n - 1}")
 
@@ -159,7 +159,7 @@ def with_range(assignment: dict, names, device: str, first=None, last=None) -> d
                 f"range of {who}: {format_span(names[f:l + 1])} takes every stage of "
                 f"{short_device(dev)} ({format_span(names[rs[0][0]:rs[-1][1] + 1])}): expected "
                 f"a range that leaves {short_device(dev)} a stage, or exactly its range (to hand "
-                f"it over); '—' in {short_device(dev)}'s row takes it out of the pipeline")
+                f"it over); the x button of its row takes it out of the pipeline")
     problem = _contiguity_error(new, names)
     if problem:
         raise PlacementError(f"range of {who}: {format_span(names[f:l + 1])}: {problem}; "
@@ -212,65 +212,81 @@ every stage embed .. head (4) exactly once
 
 
 class RangeRows:
-    """One row per device: its colour and name, first-stage and last-stage menus, a summary.
+    """One row per device: its colour and name, its first and last stage, a summary, a remove button.
 
     Rows are in pipeline order (the device running the first stage on top); devices that run
-    nothing come last, with empty menus. ``on_range(device, first, last)`` is called with stage
-    positions when the user picks a stage (``NONE`` for "no stage"); :meth:`show` sets the menus
-    without calling it back. Native ``<select>`` menus: Tab to reach one, arrow keys or typing a
-    stage's name to pick.
+    nothing come last. The first and last stage are number fields holding stage positions
+    (0 = the first stage; the summary names the stages; an unused device shows ``NONE``, -1):
+    arrow keys step them one stage at a time, a typed position is sent on Enter or Tab. Number
+    fields, not menus: JupyterLab leaves the keys of a focused text field to it, while a focused
+    ``<select>`` would have ArrowUp/ArrowDown and letters run notebook commands.
+
+    ``on_range(device, first, last)`` is called with the positions when the user changes a
+    field (an unused device given one position gets that one stage), ``on_range(device, None,
+    None)`` when the user clicks the device's remove button; :meth:`show` sets the fields
+    without calling back.
 
     Examples
     --------
     >>> names = ["embed", "block.0", "block.1", "head"]
     >>> rows = RangeRows(names, ["a", "b"], on_range=print)
     >>> rows.show(dict(zip(names, "aabb")), over=())
-    >>> rows.firsts["b"].label, rows.lasts["b"].label, rows.order
-    ('block.1', 'head', ('a', 'b'))
+    >>> rows.firsts["b"].value, rows.lasts["b"].value, rows.summaries["b"].value, rows.order
+    (2, 3, 'block.1 .. head (2 stages)', ('a', 'b'))
+    >>> rows.lasts["a"].value = 2                  # what the browser sends
+    a 0 2
     """
 
     def __init__(self, names, devices, on_range):
         self.stage_names, self._on_range, self._syncing = list(names), on_range, False
-        options = [("—", NONE)] + [(s, k) for k, s in enumerate(self.stage_names)]
         colors = device_colors(devices)
-        self.boxes, self.firsts, self.lasts, self.summaries = {}, {}, {}, {}
+        self.boxes, self.firsts, self.lasts, self.summaries, self.removes = {}, {}, {}, {}, {}
         self.order: tuple[str, ...] = tuple(devices)
         self._over: set[str] = set()
         self._shown: dict[str, tuple] = {}
+        n = len(self.stage_names)
+        tip = f"stage position: 0 = {self.stage_names[0]} .. {n - 1} = {self.stage_names[-1]}"
         for dev in devices:
             label = W.HTML(f'<span style="border-left:10px solid {colors[dev]};padding-left:4px"'
                            f' title="{html.escape(dev)}">{html.escape(short_device(dev))}</span>',
                            layout=W.Layout(width="150px"))
-            first = W.Dropdown(options=options, value=NONE, layout=W.Layout(width="120px"))
-            last = W.Dropdown(options=options, value=NONE, layout=W.Layout(width="120px"))
+            first, last = (W.IntText(value=NONE, continuous_update=False, tooltip=tip,
+                                     layout=W.Layout(width="70px")) for _ in range(2))
             first.observe(partial(self._picked, dev, "first"), "value")
             last.observe(partial(self._picked, dev, "last"), "value")
             summary = W.HTML("", layout=W.Layout(width="230px"))
-            box = W.HBox([label, first, last, summary], layout=W.Layout(flex="0 0 auto"))
+            remove = W.Button(icon="times", tooltip=f"take {short_device(dev)} out of the "
+                              "pipeline (its stages go to the device before it)",
+                              layout=W.Layout(width="32px"))
+            remove.on_click(lambda _, dev=dev: self._on_range(dev, None, None))
+            box = W.HBox([label, first, last, summary, remove], layout=W.Layout(flex="0 0 auto"))
             box.add_class("tfnb-range")
             self.boxes[dev], self.firsts[dev], self.lasts[dev], self.summaries[dev] = \
                 box, first, last, summary
+            self.removes[dev] = remove
         header = W.HBox([W.HTML("<b>device</b>", layout=W.Layout(width="150px")),
-                         W.HTML("<b>first stage</b>", layout=W.Layout(width="120px")),
-                         W.HTML("<b>last stage</b>", layout=W.Layout(width="120px")),
-                         W.HTML("<b>runs</b>")])
+                         W.HTML("<b>first</b>", layout=W.Layout(width="70px")),
+                         W.HTML("<b>last</b>", layout=W.Layout(width="70px")),
+                         W.HTML("<b>stages</b>")])
         self.table = W.VBox([self.boxes[d] for d in devices], layout=W.Layout(
             max_height="460px", overflow="auto", flex_flow="column"))
-        self.widget = W.VBox([header, self.table])
+        note = W.HTML(f'<small>first and last stage by position: 0 = '
+                      f'{html.escape(self.stage_names[0])} .. {n - 1} = '
+                      f'{html.escape(self.stage_names[-1])}; arrow keys step, Enter sends a '
+                      'typed one</small>')
+        self.widget = W.VBox([header, self.table, note])
 
     def _picked(self, device: str, end: str, change) -> None:
         if self._syncing:
             return
         first, last = self.firsts[device].value, self.lasts[device].value
-        if change["new"] == NONE:
-            first = last = NONE
-        elif first == NONE or last == NONE:      # an unused device: one stage to start with
-            first = last = change["new"]
+        if self._shown.get(device, ((NONE, NONE),))[0] == (NONE, NONE):
+            first = last = change["new"]           # an unused device: one stage to start with
         self._on_range(device, first, last)
 
     def show(self, assignment: dict, over, force: bool = False) -> None:
         """Show ``assignment``'s runs; mark devices in ``over``. Touches changed rows only
-        (``force`` resets every menu, e.g. after a refused edit left a menu on the wrong stage)."""
+        (``force`` resets every field, e.g. after a refused edit left one on another value)."""
         names = self.stage_names
         runs = device_runs(assignment, names)
         order = tuple(runs) + tuple(d for d in self.boxes if d not in runs)
@@ -282,6 +298,7 @@ class RangeRows:
                 if force or self._shown.get(dev) != (shown, tuple(rs)):
                     self.firsts[dev].value, self.lasts[dev].value = shown
                     self.summaries[dev].value = html.escape(_summary(rs, names))
+                    self.removes[dev].disabled = not rs
                     self._shown[dev] = (shown, tuple(rs))
         finally:
             self._syncing = False
@@ -301,10 +318,11 @@ class RangeRows:
 
 def _summary(runs, names) -> str:
     if not runs:
-        return "unused"
+        return "unused: type a position to add it"
     n = sum(b - a + 1 for a, b in runs)
-    text = f"{n} stage{'s' * (n != 1)}"
-    if len(runs) > 1:
-        text += f" in {len(runs)} runs: " + ", ".join(
-            format_span(names[a:b + 1]).split(" (")[0] for a, b in runs)
-    return text
+    count = f"{n} stage{'s' * (n != 1)}"
+    if len(runs) == 1:
+        a, b = runs[0]
+        return f"{names[a]} .. {names[b]} ({count})" if a != b else f"{names[a]} ({count})"
+    return f"{count} in {len(runs)} runs: " + ", ".join(
+        names[a] if a == b else f"{names[a]} .. {names[b]}" for a, b in runs)
