@@ -118,7 +118,7 @@ def stages(prof, ax, plan=None, predicted=None) -> None:
     if pred:
         ax.scatter([x for x, _ in pred], [v for _, v in pred], marker="_", s=120, color="black",
                    zorder=3, label="predicted")
-    step = max(1, len(rows) // 24)  # a label per stage up to ~24 stages, then every n-th
+    step = -(-len(rows) // 16)  # a label per stage up to 16 stages, then every n-th
     ax.set_xticks(xs[::step], [str(r["stage"]) for r in rows][::step], rotation=60, ha="right",
                   fontsize="small")
     decoded = any(r.get("ms_per_step") for r in rows)

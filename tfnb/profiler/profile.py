@@ -386,8 +386,9 @@ class Profile:
         - ``prefill_ms``, ``decode_ms`` and ``steps`` (decode steps it ran), ``ms_per_step``;
         - ``kinds``: ``{kind: ms}``, most first;
         - ``predicted_ms``: the planner's seconds per step for the stage (x 1000), from
-          ``plan`` (a Plan, or a placed model's) or from ``predicted`` (``{stage: ms}``), at the
-          plan's batch and context, beside ``ms_per_step``.
+          ``plan`` (a Plan, or a placed model's; default: the plan of the placed model that
+          decoded in the block) or from ``predicted`` (``{stage: ms}``), at the plan's batch
+          and context, beside ``ms_per_step``.
 
         ``plan`` may also be a ``{stage: device}`` mapping over stages of your own: a stage
         with no compiled ops is then timed by the TF ops in its name scope (``stage/...``), else
@@ -400,6 +401,9 @@ class Profile:
         ('block.17', 'matmul')
         """
         self._check()
+        if plan is None:  # the plan of the one placed model that decoded here, if it had one
+            plans = [pm.plan for pm in bounds.models_in(self) if pm.plan is not None]
+            plan = plans[0] if len(plans) == 1 else None
         plan = getattr(plan, "plan", plan)  # a placed model
         assignment = getattr(plan, "assignment", plan)
         if assignment is not None and (not isinstance(assignment, Mapping) or not assignment):

@@ -64,7 +64,10 @@ def options(duration_ms: int, *, host_level: int = 2, python_level: int = 0):
 
     # enable_hlo_proto: the trace's "/host:metadata" plane then holds the HLO module of every
     # live XLA executable, whose ops' metadata names the TF name scope they came from: what
-    # attributes compiled time to stages and op kinds (xplane.compiled_ops).
+    # attributes compiled time to stages and op kinds (xplane.compiled_ops). It costs volume:
+    # probed with SmolLM2 split over 2 workers, a worker's trace grew to 8.6-11.3 MB (from
+    # 3-3.6 MB; 0.4-0.7 MB per live module), collecting it took 1.1 s (0.3-0.4 s) and the
+    # first read parses the modules in about 1 s more (remembered for later profiles).
     return profiler_options_pb2.ProfileOptions(version=1, host_tracer_level=host_level,
                                                device_tracer_level=1, python_tracer_level=python_level,
                                                duration_ms=duration_ms, enable_hlo_proto=True)

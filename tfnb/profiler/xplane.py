@@ -124,6 +124,22 @@ def _majority(values):
 _SKIP_OPCODES = _CONTAINER_OPCODES | {"parameter", "constant", "tuple", "get-tuple-element"}
 
 
+_MODULES: dict = {}  # blake2b of a serialized HloProto -> compiled_ops(); each profile of the
+# same placed model carries the same modules again (0.1-0.2 s each for a SmolLM2 segment)
+
+
+def module_ops(hlo_proto: bytes) -> dict[str, CompiledOp]:
+    """:func:`compiled_ops`, remembered per module (the 64 most recent)."""
+    import hashlib
+
+    key = hashlib.blake2b(hlo_proto, digest_size=16).digest()
+    if key not in _MODULES:
+        if len(_MODULES) >= 64:
+            _MODULES.pop(next(iter(_MODULES)))
+        _MODULES[key] = compiled_ops(hlo_proto)
+    return _MODULES[key]
+
+
 def compiled_ops(hlo_proto: bytes) -> dict[str, CompiledOp]:
     """``{instruction name: CompiledOp}`` for the leaf instructions of one serialized
     ``HloProto`` (every computation's, so a while loop's body too; ops that only call other
@@ -240,7 +256,7 @@ def parse_space(space, device_of, *, shift_ns: int) -> Parsed:
             for md in plane.event_metadata.values():
                 for st in md.stats:
                     if names.get(st.metadata_id) == "Hlo Proto" and st.bytes_value:
-                        modules[md.name] = compiled_ops(st.bytes_value)
+                        modules[md.name] = module_ops(st.bytes_value)
     for plane in space.planes:
         device = device_of(plane.name)
         if device is None:
@@ -252,6 +268,7 @@ def parse_space(space, device_of, *, shift_ns: int) -> Parsed:
         module_stat = next((k for k, v in snames.items() if v == "hlo_module"), None)
         program_stat = next((k for k, v in snames.items() if v == "program_id"), None)
         hlo_names = set().union(*modules.values()) if modules else set()
+        module_keys: dict = {}
         # What each event name is, decided once per name: most events of an LLM's trace are the
         # HLO ops of its XLA calls and the thread pool's own events, which are skipped here.
         kinds: dict = {}
@@ -291,9 +308,14 @@ def parse_space(space, device_of, *, shift_ns: int) -> Parsed:
                 elif kind[0] == _COMPILE:
                     compiling.append((start, start + dur))
                 elif kind[0] == _HLO:
-                    st = {s.metadata_id: s for s in e.stats}
-                    mod, prog = st.get(module_stat), st.get(program_stat)
-                    key = f"{_stat_value(mod, snames) if mod else ''}({_stat_value(prog, snames) if prog else 0})"
+                    mod = prog = None
+                    for st in e.stats:
+                        if st.metadata_id == module_stat:
+                            mod = snames.get(st.ref_value) if st.ref_value else st.str_value
+                        elif st.metadata_id == program_stat:
+                            prog = st.int64_value or st.uint64_value
+                    key = (mod, prog or 0)
+                    key = module_keys.get(key) or module_keys.setdefault(key, f"{mod}({prog or 0})")
                     op = modules.get(key, {}).get(kind[1])
                     if op is not None:
                         compiled.append({"device": device, "thread": thread, "module": key,
