@@ -179,7 +179,12 @@ def test_json_export_and_load_round_trip_and_refusals(cluster, keras_model, tmp_
     editor.set_device("head", dev1)
     path = editor.export_json(tmp_path / "plan.json")
     assert Plan.load(path) == editor.plan
+    assert editor.widgets.json.value == ""           # filled when "Export / load" is opened
+    editor.widgets.export.selected_index = 0
     assert json.loads(editor.widgets.json.value) == json.loads(path.read_text())
+    editor.set_device("block.0", dev1)                # kept up to date while it is open
+    assert json.loads(editor.widgets.json.value)["assignment"]["block.0"] == dev1
+    editor.set_device("block.0", dev0)
     ns = {}
     exec(editor.widgets.python.value, ns)                      # noqa: S102 - our own snippet
     assert ns["plan"] == editor.plan and "data:application/json;base64," in editor.widgets.download.value

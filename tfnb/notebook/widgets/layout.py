@@ -33,6 +33,7 @@ class EditorWidgets:
     ranges: RangeRows    # one row per device: first and last stage
     rows: StageRows      # one row per stage, built when ``detail`` is first opened
     detail: W.Accordion  # the collapsed per-stage detail
+    export: W.Accordion  # "Export / load a plan": its views are filled while it is open
     bars: MemoryBars
     svg: W.HTML          # the dataflow picture
     figures: W.HTML      # predicted figures
@@ -97,13 +98,15 @@ def build(editor) -> EditorWidgets:
     python_w = W.Textarea(description="Python", layout=box, disabled=False)
     export = W.VBox([W.HBox([path_w, save_w, load_w, upload_w]), download_w, json_w, python_w])
     more = W.Accordion(children=[export], titles=("Export / load a plan",), selected_index=None)
+    more.observe(lambda change: change["new"] is not None and editor._show_export(),
+                 "selected_index")
 
     children = (
         header, W.HBox([mode_w, planner_w]), objective_w,
         W.HBox([W.VBox([ranges.widget, detail]), W.VBox([_title("dataflow"), svg_w])]),
         _title("memory per device (parameters + KV cache)"), bars.widget,
         figures_w, W.HBox([apply_w, status_w]), reason_w, more)
-    return EditorWidgets(ranges, rows, detail, bars, svg_w, figures_w, apply_w, status_w,
+    return EditorWidgets(ranges, rows, detail, more, bars, svg_w, figures_w, apply_w, status_w,
                          reason_w, download_w, json_w, python_w, children)
 
 

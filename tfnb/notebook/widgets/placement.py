@@ -177,6 +177,7 @@ class PlacementEditor(W.VBox):
         topology = as_topology(cluster, model, batch, context_len).with_max_memory(max_memory)
         super().__init__(**kwargs)
         self._ready, self._auto_plan, self._applied_plan = False, None, None
+        self._export_shown = None
         self._apply_callbacks = W.CallbackDispatcher()
         self.set_trait("model", model)
         self.set_trait("topology", topology)
@@ -294,11 +295,11 @@ class PlacementEditor(W.VBox):
 
         Moving one device's last stage moves the next device's first stage; exactly another
         device's range hands it over (that device drops out); with neither ``first`` nor
-        ``last`` the device leaves the pipeline (its stages go to the device before it). A plan where a device runs
-        several separate runs is packed first (same number of stages per device, devices in
-        order of their first stage), so the result is always contiguous. Switches auto to
-        manual. A range that would split another device in two, or take all of its stages,
-        raises ``PlacementError`` naming it.
+        ``last`` the device leaves the pipeline (its stages go to the device before it). A plan
+        where a device runs several separate runs is packed first (same number of stages per
+        device, devices in order of their first stage), so the result is always contiguous.
+        Switches auto to manual. A range that would split another device in two, or take all of
+        its stages, raises ``PlacementError`` naming it.
 
         Examples
         --------
@@ -467,12 +468,26 @@ class PlacementEditor(W.VBox):
         w = self.widgets
         w.figures.value = figures_html(plan.prediction, self._applied_plan)
         w.svg.value = plan_svg(plan, self.model.chain, self.topology.devices, over)
+        self._export_shown = None
+        if w.export.selected_index is not None:
+            self._show_export()
+        self._update_apply()
+
+    def _show_export(self) -> None:
+        """Fill the export views (JSON, Python, download link) with the current plan.
+
+        Only while "Export / load a plan" is open: on 200 stages they are most of the bytes an
+        edit would send to the browser.
+        """
+        plan, w = self.plan, self.widgets
+        if plan is None or self._export_shown is plan:
+            return
         text = json.dumps(plan.to_dict(), indent=1)
         w.json.value, w.python.value = text, plan.to_python()
         w.download.value = (
             '<a download="plan.json" href="data:application/json;base64,'
             f'{base64.b64encode(text.encode()).decode()}">download plan.json</a>')
-        self._update_apply()
+        self._export_shown = plan
 
     def _update_apply(self) -> None:
         reason = apply_blocker(self.busy, self.over_memory)

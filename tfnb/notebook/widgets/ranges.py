@@ -212,7 +212,7 @@ every stage embed .. head (4) exactly once
 
 
 class RangeRows:
-    """One row per device: its colour and name, its first and last stage, a summary, a remove button.
+    """One row per device: colour and name, first and last stage, a summary, a remove button.
 
     Rows are in pipeline order (the device running the first stage on top); devices that run
     nothing come last. The first and last stage are number fields holding stage positions

@@ -23,7 +23,8 @@ __all__ = ["StageRows", "MemoryBars", "figures_html", "editor_text", "one_line",
 
 # Classes used by the rows; the editor puts this <style> in its header (no network, no files).
 STYLE = ("<style>.tfnb-over{background:#fde2e2;border-left:4px solid #c00}"
-         ".tfnb-row,.tfnb-range{border-left:4px solid transparent}.tfnb-status-error{color:#c00}</style>")
+         ".tfnb-row,.tfnb-range{border-left:4px solid transparent}"
+         ".tfnb-status-error{color:#c00}</style>")
 _OVER_CLASS = "tfnb-over"
 
 
