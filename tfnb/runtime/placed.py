@@ -20,6 +20,7 @@ Examples
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections import OrderedDict
 
@@ -34,7 +35,7 @@ from tfnb.runtime.faults import call_with_deadline
 from tfnb.runtime.graphs import Program, segment_functions
 from tfnb.runtime.requests import (GenerateOptions, GenerateRequest, make_batch, prompt_ids,
                                    with_options_signature)
-from tfnb.runtime.scheduler import MAX_ROWS, Scheduler
+from tfnb.runtime.scheduler import MAX_ROWS, RECENT, Scheduler
 from tfnb.runtime.session import GenerateSession
 from tfnb.runtime.weights import (check_packed_ops, check_weights, kv_caches, param_variables,
                                   segment_params)
@@ -380,6 +381,35 @@ class PlacedModel:
         per_row = [out[b, batch.pad_B[b]:] for b in range(batch.n_real)]
         return per_row[0] if single else per_row
 
+    def serving_status(self) -> dict:
+        """What this model is serving now, as plain data (cheap, read-only, never waits for a
+        device call): the same shape as ``ReplicatedModel.serving_status``, with this
+        placement as its one replica.
+
+        Returns
+        -------
+        dict
+            ``model``, ``time`` (``time.time()``), ``in_flight`` (requests not finished),
+            ``replicas`` (one dict: ``replica``, ``devices``, ``lost``, ``served``, ``lanes``,
+            ``requests``, ``recent``, as :meth:`Scheduler.status` gives the last three), and
+            ``requests``/``recent`` over every replica.
+
+        Examples
+        --------
+        >>> st = pm.serving_status()                                    # doctest: +SKIP
+        >>> [(r["id"], r["tokens"], round(r["tokens_per_s"])) for r in st["requests"]]  # doctest: +SKIP
+        [(7, 12, 48), (8, 4, 31)]
+        """
+        return serving_summary(self.name, [self.replica_status(0)])
+
+    def replica_status(self, index: int) -> dict:
+        """This placement as replica ``index`` of a serving status (see ``serving_status``)."""
+        status = self.scheduler.status()
+        for r in status["requests"] + status["recent"]:
+            r["replica"] = index
+        return {"replica": index, "devices": list(self.devices), "lost": self._lost,
+                "max_batch": self.max_batch, **status}
+
     def _session(self, prompts, options: dict, text: bool) -> GenerateSession:
         if self._lost:
             raise WorkerLostError(self._lost)
@@ -399,6 +429,16 @@ _LIVE: weakref.WeakSet = weakref.WeakSet()
 def live_models() -> list[PlacedModel]:
     """Every placed model this process still holds (a profile finds the ones that ran in it)."""
     return list(_LIVE)
+
+
+def serving_summary(name, replicas: list[dict]) -> dict:
+    """A serving status from its replicas' parts: their requests and recent ones together
+    (recent ones in the order they ended, the last ``RECENT``)."""
+    requests = sorted((r for rep in replicas for r in rep["requests"]), key=lambda r: r["id"])
+    recent = sorted((r for rep in replicas for r in rep["recent"]),
+                    key=lambda r: r["ended_at"])[-RECENT:]
+    return {"model": name, "time": time.time(), "in_flight": len(requests),
+            "replicas": replicas, "requests": requests, "recent": recent}
 
 
 def _fetched(fn):

@@ -25,7 +25,7 @@ import threading
 import warnings
 
 from tfnb.errors import WorkerLostError
-from tfnb.runtime.placed import PlacedModel
+from tfnb.runtime.placed import PlacedModel, serving_summary
 from tfnb.runtime.requests import with_options_signature
 
 __all__ = ["ReplicatedModel", "ReplicaLostWarning"]
@@ -158,6 +158,31 @@ class ReplicatedModel:
             raise
         finally:
             self._done(replica, error)
+
+    # ----- status ----------------------------------------------------------------------------
+
+    def serving_status(self) -> dict:
+        """What every replica is serving now, as plain data (cheap, read-only): the shape of
+        ``PlacedModel.serving_status``, one entry of ``replicas`` per replica still serving,
+        each with ``routed`` (requests this router sent there that have not returned, queued
+        ones included) and ``finished`` (its count in ``served``).
+
+        Examples
+        --------
+        >>> st = placed.serving_status()                                 # doctest: +SKIP
+        >>> [(r["devices"][0][-5:], r["lanes"][0]["rows_in_use"]) for r in st["replicas"]]  # doctest: +SKIP
+        [('CPU:0', 2), ('CPU:0', 1)]
+        """
+        with self._lock:
+            replicas = list(self.replicas)
+            routed = {id(r): self._in_flight[id(r)] for r in replicas}
+            finished = dict(self.served)
+        parts = []
+        for i, r in enumerate(replicas):
+            part = r.replica_status(i)
+            part.update(routed=routed[id(r)], finished=finished.get(r.devices[0], 0))
+            parts.append(part)
+        return serving_summary(self.name, parts)
 
     # ----- the PlacedModel API ------------------------------------------------------------------
 

@@ -35,6 +35,7 @@ Examples
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
@@ -53,7 +54,9 @@ CHUNK_STEPS = 16  # decode steps per call at most: how long a new request may wa
 MIN_SLOTS = 256   # cache slots per lane at least, so requests join without moving the caches
 MAX_ROWS = 8      # rows per lane at least (more when one request brings more prompts)
 IDLE_EXIT_S = 30.0  # a lane's driver thread ends after this long without work
+RECENT = 32        # finished requests a scheduler remembers for its status
 _MODES = ("greedy", "sample", "filter")
+_IDS = itertools.count(1)  # request ids, increasing over the process (next() is atomic)
 
 
 @dataclass
@@ -74,10 +77,17 @@ class Ticket:
 
     Each event is ``(new_ids, done)``: per sequence, the new token ids since the last event and
     whether it has ended (EOS or its budget); or an exception. ``cancel()`` (the caller stopped reading) frees its rows at the next step;
-    ``finish(i)`` ends sequence ``i`` early (a stop string)."""
+    ``finish(i)`` ends sequence ``i`` early (a stop string).
+
+    ``id`` increases with every request of the process; ``first_token`` and ``ended`` are
+    ``time.perf_counter()`` values (None until then) and ``outcome`` is ``"done"``,
+    ``"cancelled"`` or ``"error"`` once its lane let it go: what :meth:`Scheduler.status`
+    reads."""
 
     def __init__(self, rows: list[list[int]], max_new: int, sampling, chunk: int):
+        self.id = next(_IDS)
         self.seqs = [Seq(list(r), max_new, chunk) for r in rows]
+        self.max_new = max_new
         self.P = bucket(max(len(r) for r in rows), 16)
         self.need = self.P + max_new  # slots from the prompt's start to the last token
         mode_floats = 0.0 if sampling.mode == "greedy" else sampling.temperature
@@ -88,7 +98,30 @@ class Ticket:
         self.cancelled = False
         self.submitted = time.perf_counter()
         self.started: float | None = None   # when its prefill began (queue wait before)
+        self.first_token: float | None = None
+        self.ended: float | None = None
+        self.outcome: str | None = None
         self.lane: Lane | None = None
+
+    @property
+    def made(self) -> int:
+        """Tokens generated so far, all its sequences together."""
+        return sum(s.made for s in self.seqs)
+
+    def summary(self, now: float, state: str) -> dict:
+        """This request as plain data at ``now`` (``time.perf_counter()``): what a serving
+        view shows. Times in seconds from its submission; tokens/s as ``last_stats`` counts
+        them (tokens over the time since it was submitted)."""
+        end = self.ended or now
+        made, age = self.made, end - self.submitted
+        return {"id": self.id, "state": state,
+                "lane": None if self.lane is None else self.lane.index,
+                "prompts": len(self.seqs), "prompt_tokens": [len(s.ids) for s in self.seqs],
+                "tokens": made, "max_tokens": self.max_new * len(self.seqs),
+                "age_s": age, "queue_s": (self.started or end) - self.submitted,
+                "first_token_s": None if self.first_token is None
+                else self.first_token - self.submitted,
+                "tokens_per_s": made / age if age > 0 else 0.0}
 
     @property
     def active(self) -> bool:
@@ -136,9 +169,10 @@ class Lane:
         The most rows busy at once so far.
     """
 
-    def __init__(self, pm, index: int, cond: threading.Condition):
+    def __init__(self, pm, index: int, cond: threading.Condition, recent: deque | None = None):
         # a proxy: the placed model owns its scheduler, not the other way round
         self.pm, self.index, self.cond = weakref.proxy(pm), index, cond
+        self.recent = deque(maxlen=RECENT) if recent is None else recent  # finished requests
         self.lock = threading.Lock()   # one device call of this lane at a time
         self.pending: deque[Ticket] = deque()
         self.program = None
@@ -169,6 +203,18 @@ class Lane:
         for row, owner in enumerate(self.owners):
             if owner is ticket:
                 self.seqs[row] = self.owners[row] = None
+
+    def _ended(self, ticket: Ticket, outcome: str | None = None) -> None:
+        """Note once that ``ticket`` left this lane, in the record of recent requests
+        (``outcome`` by default: done when every sequence ended, else cancelled)."""
+        if ticket.ended is not None:
+            return
+        if outcome is None:
+            outcome = "done" if all(s.done for s in ticket.seqs) else "cancelled"
+        ticket.ended, ticket.outcome = time.perf_counter(), outcome
+        with self.cond:  # a status reads the record under the condition too
+            self.recent.append({**ticket.summary(ticket.ended, outcome),
+                                "ended_at": time.time()})
 
     # ----- the driver --------------------------------------------------------------------
 
@@ -218,12 +264,15 @@ class Lane:
         for t in failed.values():
             t.events.put(error)
             self._free(t)
+            self._ended(t, "error")
         self.slot = 0
 
     def _retire(self) -> None:
         for row, (seq, owner) in enumerate(zip(self.seqs, self.owners)):
             if seq is not None and (seq.done or owner.cancelled):
                 self.seqs[row] = self.owners[row] = None
+                if not owner.active:
+                    self._ended(owner)
 
     def _admit(self) -> None:
         while self.pending:
@@ -231,6 +280,7 @@ class Lane:
             if ticket.cancelled:
                 with self.cond:
                     self.pending.popleft()
+                self._ended(ticket, "cancelled")
                 continue
             if self.pm.lost:
                 raise WorkerLostError(self.pm.lost)
@@ -374,9 +424,12 @@ class Lane:
                     if got:
                         seq.last = got[-1]
                 new.append(got)
+            if t.first_token is None and any(new):
+                t.first_token = time.perf_counter()
             t.events.put((new, [seq.done for seq in t.seqs]))
             if not t.active:
                 self._free(t)
+                self._ended(t)
 
 
 class Scheduler:
@@ -387,12 +440,16 @@ class Scheduler:
     lanes : list of Lane
     served : int
         Tickets admitted so far.
+    recent : deque of dict
+        The last ``RECENT`` finished requests, oldest first, as :meth:`Ticket.summary` gives
+        them (with ``outcome`` as their state).
     """
 
     def __init__(self, pm, n_lanes: int):
         self.pm = weakref.proxy(pm)
         self.cond = threading.Condition()
-        self.lanes = [Lane(pm, i, self.cond) for i in range(n_lanes)]
+        self.recent: deque = deque(maxlen=RECENT)
+        self.lanes = [Lane(pm, i, self.cond, self.recent) for i in range(n_lanes)]
         self.served = 0
 
     def submit(self, rows: list[list[int]], max_new: int, sampling, chunk: int) -> Ticket:
@@ -420,3 +477,46 @@ class Scheduler:
         (``time.time_ns()``), over every lane."""
         return [(n, B, window) for lane in self.lanes for t0, t1, n, B, window in list(lane.chunks)
                 if t0 >= t_begin and t1 <= t_end]
+
+    def status(self) -> dict:
+        """What is being served now, as plain data: ``{"lanes", "requests", "recent",
+        "served"}``.
+
+        ``lanes``: per lane its ``rows`` and ``slots`` (the caches' size), ``rows_in_use``,
+        ``waiting`` (requests queued) and ``waiting_rows``, the write ``slot``, counters
+        ``steps``/``calls``/``shifts``/``peak_rows`` and whether its driver ``running``.
+        ``requests``: every request in flight (``state`` waiting, prefill or decoding), as
+        :meth:`Ticket.summary` gives them, oldest first; ``recent``: the last finished ones
+        (``state`` their outcome, ``ended_at`` a ``time.time()``).
+
+        Cheap and read-only: holds the condition only to copy the queues, so it never waits
+        for a device call and never delays one.
+
+        Examples
+        --------
+        >>> [r["tokens"] for r in pm.scheduler.status()["requests"]]   # doctest: +SKIP
+        [12, 4]
+        """
+        now = time.perf_counter()
+        with self.cond:
+            queued = [(list(lane.pending), lane.joining) for lane in self.lanes]
+            recent = list(self.recent)
+        lanes, requests = [], []
+        for lane, (pending, joining) in zip(self.lanes, queued):
+            seqs, owners = list(lane.seqs), list(lane.owners)
+            running = [t for t in dict.fromkeys(o for o in owners if o is not None)
+                       if t.ended is None]
+            requests += [t.summary(now, "decoding") for t in running]
+            if joining is not None and joining.ended is None and joining not in running:
+                requests.append(joining.summary(now, "prefill"))
+            requests += [t.summary(now, "waiting") for t in pending if t.ended is None]
+            thread = lane.thread
+            lanes.append({"lane": lane.index, "rows": lane.rows, "slots": lane.slots,
+                          "rows_in_use": sum(s is not None and not s.done for s in seqs),
+                          "waiting": len(pending),
+                          "waiting_rows": sum(len(t.seqs) for t in pending),
+                          "slot": lane.slot, "steps": lane.steps, "calls": lane.calls,
+                          "shifts": lane.shifts, "peak_rows": lane.peak_rows,
+                          "running": thread is not None and thread.is_alive()})
+        requests.sort(key=lambda r: r["id"])
+        return {"lanes": lanes, "requests": requests, "recent": recent, "served": self.served}
