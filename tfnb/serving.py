@@ -305,7 +305,8 @@ def _finish(events: list, options: dict) -> tuple[str, int]:
 # ----- the server ---------------------------------------------------------------------------
 
 class Server:
-    """A running endpoint: ``url`` (ends in ``/v1``, for OpenAI clients), ``model``, ``close()``.
+    """A running endpoint: ``url`` (ends in ``/v1``, for OpenAI clients), ``model``, ``close()``;
+    ``placed`` is what it serves (a ``ReplicatedModel``; ``view()`` shows it live).
 
     Examples
     --------
@@ -314,9 +315,9 @@ class Server:
     http://127.0.0.1:40213/v1
     """
 
-    def __init__(self, uvicorn_server, thread, host: str, port: int, model: str):
+    def __init__(self, uvicorn_server, thread, host: str, port: int, model: str, placed=None):
         self._server, self._thread = uvicorn_server, thread
-        self.host, self.port, self.model = host, port, model
+        self.host, self.port, self.model, self.placed = host, port, model, placed
         self.url = f"http://{host if ':' not in host else f'[{host}]'}:{port}/v1"
 
     @property
@@ -327,6 +328,25 @@ class Server:
         """Stop accepting requests and end the server thread (within ``timeout`` s)."""
         self._server.should_exit = True
         self._thread.join(timeout)
+
+    def serving_status(self) -> dict:
+        """What the endpoint's model is serving now (``ReplicatedModel.serving_status``)."""
+        return self.placed.serving_status()
+
+    def view(self, interval: float = 0.5):
+        """A live :class:`tfnb.notebook.widgets.ServingView` of the requests this endpoint
+        serves: lanes' rows in use, requests in flight with tokens/s, the last finished ones,
+        redrawn every ``interval`` s by a background thread (the kernel stays free).
+
+        Examples
+        --------
+        >>> server = tfnb.serve(placed)               # doctest: +SKIP
+        >>> server.view()                             # doctest: +SKIP
+        """
+        # asked for a widget by name: only then is the notebook layer (ipywidgets) imported
+        from tfnb.notebook.widgets.serving import ServingView
+
+        return ServingView(self, interval=interval)
 
     def __enter__(self) -> "Server":
         return self
@@ -353,7 +373,8 @@ def serve(placed, host: str = "127.0.0.1", port: int = 0, api_key: str | None = 
     Returns
     -------
     Server
-        With ``url`` (``http://host:port/v1``), ``model`` and ``close()``.
+        With ``url`` (``http://host:port/v1``), ``model``, ``close()`` and ``view()`` (a live
+        view of the requests in flight).
 
     Examples
     --------
@@ -391,4 +412,4 @@ def serve(placed, host: str = "127.0.0.1", port: int = 0, api_key: str | None = 
     if not server.started:
         server.should_exit = True
         raise ServeError(f"the endpoint did not start within {START_TIMEOUT_S} s")
-    return Server(server, thread, host, sock.getsockname()[1], name)
+    return Server(server, thread, host, sock.getsockname()[1], name, placed=replicated)

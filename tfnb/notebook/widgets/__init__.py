@@ -13,5 +13,6 @@ True
 """
 from tfnb.notebook.widgets.dataflow import plan_svg
 from tfnb.notebook.widgets.placement import PlacementEditor
+from tfnb.notebook.widgets.serving import ServingView, serving_view  # noqa: F401 (exported)
 
 __all__ = ["PlacementEditor", "plan_svg"]
