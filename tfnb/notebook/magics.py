@@ -12,6 +12,7 @@ from pathlib import Path
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.display import display
 
 import tfnb.cluster as core
 from tfnb.errors import TfnbError
@@ -321,6 +322,8 @@ class TfnbMagics(Magics):
     @argument("--api-key", default=None, help="bearer token every request must send "
                                               "(needed beyond loopback)")
     @argument("--model", default=None, help="the model name clients ask for")
+    @argument("--view", action="store_true",
+              help="also show a live view of the requests it serves (server.view())")
     @argument("-o", "--output", default=None, help="store the server in this variable")
     @line_magic
     def tfserve(self, line: str = ""):
@@ -333,6 +336,7 @@ class TfnbMagics(Magics):
           placed = tfnb.place(model, tfnb.plan(model, cluster, mode="replicate"), cluster)
           %tfserve placed -o server
           # any OpenAI client: OpenAI(base_url=server.url, api_key="none")
+          %tfserve placed --view -o server   # and watch its requests, slots and tokens/s live
           server.close()
         """
         args = _parse_line(TfnbMagics.tfserve, line, "%tfserve")
@@ -348,6 +352,8 @@ class TfnbMagics(Magics):
             raise UsageError(f"%tfserve: {e}") from None
         if args.output:
             self.shell.user_ns[args.output] = server
+        if args.view:
+            display(server.view())  # the view's thread redraws it; the cell ends at once
         return server
 
     def _store(self, output: str | None, exc: BaseException) -> None:
