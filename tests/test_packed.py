@@ -52,6 +52,112 @@ def test_packed_matmul_matches_gguf_dequantize(name, M, C, N):
     assert np.array_equal(kernels.packed_dequantize(w_MxR, qtype, C).numpy(), ref_MxC)
 
 
+def q8_activations(x_NxC):
+    """``x`` rounded as the int8 route rounds it: per block of 32, scale ``d = max|x| / 127``,
+    ``q = rint(x / d)`` (ties to even, float32 math); returns ``q * d`` and ``d`` (N, C/32)."""
+    x_NxBx32 = x_NxC.reshape(x_NxC.shape[0], -1, 32)
+    d_NxBx1 = np.abs(x_NxBx32).max(-1, keepdims=True) / np.float32(127)
+    inv = np.where(d_NxBx1 > 0, np.float32(1) / np.where(d_NxBx1 > 0, d_NxBx1, 1), 0)
+    q = np.rint(x_NxBx32 * inv.astype(np.float32))
+    assert np.abs(q).max() <= 127
+    return (q * d_NxBx1).reshape(x_NxC.shape).astype(np.float32), d_NxBx1[..., 0]
+
+
+INT8_CASES = [(1, 32, 1), (7, 96, 3), (33, 576, 9), (5, 1536, 4), (19, 64, 8), (3, 160, 16),
+              (2, 64, 7)]
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("M,C,N", INT8_CASES)
+def test_int8_activations_are_exact_for_the_rounded_activations(name, M, C, N):
+    """The int8 route computes ``round(x) @ dequantize(w).T``: equal to numpy on the rounded
+    activations up to float32 summation (the same tolerance as the float route), and within
+    the rounding's own bound of the float32 result: each activation moves by at most half its
+    block's scale ``d``, so an output moves by at most ``sum_j |w_j| d_j / 2``. Row groups of
+    1 to 8 (and 9, 16), one-block and odd-length rows, blocks of zeros."""
+    import tensorflow as tf
+
+    rng = np.random.default_rng(M * C + N + 7)
+    w_MxR, ref_MxC = packed_rows(rng.standard_normal((M, C)).astype(np.float32), name)
+    x_NxC = (rng.standard_normal((N, C)) * rng.uniform(0.01, 10, (N, 1))).astype(np.float32)
+    x_NxC[0, :32] = 0  # an all-zero block: scale 0, no NaN
+    qtype = kernels.QTYPES[name]
+    eager = kernels.packed_matmul(x_NxC, w_MxR, qtype, C, activations="int8").numpy()
+    compiled = tf.function(lambda x, w: kernels.packed_matmul(x, w, qtype, C, "int8"),
+                           jit_compile=True)(x_NxC, w_MxR).numpy()
+    assert np.array_equal(eager, compiled)  # one kernel behind both
+    xq_NxC, d_NxB = q8_activations(x_NxC)
+    scale = np.sqrt(C) * np.abs(ref_MxC).max() * np.abs(x_NxC).max()
+    np.testing.assert_allclose(eager, xq_NxC @ ref_MxC.T, atol=1e-6 * scale, rtol=0)
+    absw_MxB = np.abs(ref_MxC).reshape(M, -1, 32).sum(-1)
+    bound_NxM = 0.5 * d_NxB @ absw_MxB.T
+    err_NxM = np.abs(eager - x_NxC.astype(np.float64) @ ref_MxC.T)
+    assert (err_NxM <= bound_NxM + 1e-6 * scale).all()
+    # and the bound is not vacuous: typical errors are a fraction of it
+    assert np.median(err_NxM / (bound_NxM + 1e-30)) < 0.5
+
+
+@pytest.mark.parametrize("name", ["F32", "F16"])
+def test_int8_activations_leave_float_weights_on_the_float_route(name):
+    rng = np.random.default_rng(4)
+    w_MxR, _ = packed_rows(rng.standard_normal((5, 64)).astype(np.float32), name)
+    x_NxC = rng.standard_normal((3, 64)).astype(np.float32)
+    q = kernels.QTYPES[name]
+    assert np.array_equal(kernels.packed_matmul(x_NxC, w_MxR, q, 64, "int8").numpy(),
+                          kernels.packed_matmul(x_NxC, w_MxR, q, 64).numpy())
+
+
+def test_activations_option_is_checked():
+    with pytest.raises(ValueError, match=r"activations='int4': expected one of \['float32', 'int8'\]"):
+        kernels.packed_matmul(np.ones((1, 32), np.float32), np.zeros((1, 20), np.uint8), 3, 32,
+                              activations="int4")
+
+
+_PORTABLE = """
+import sys, numpy as np
+from tfnb import kernels
+data = np.load(sys.argv[1])
+out = {}
+for k in data.files:
+    if k.startswith("w_"):
+        name, n = k[2:].rsplit("_", 1)
+        x = data["x_" + n]
+        for route in kernels.ACTIVATIONS:
+            out[f"{name}_{n}_{route}"] = kernels.packed_matmul(
+                x, data[k], kernels.QTYPES[name], x.shape[1], route).numpy()
+np.savez(sys.argv[2], **out)
+"""
+
+
+def test_portable_code_agrees_with_the_simd_code(tmp_path):
+    """``$TFNB_PACKED_PORTABLE=1`` runs the C++ fallback that CPUs without AVX2 get: the same
+    rounding of the activations, so both routes agree with this machine's up to summation."""
+    rng = np.random.default_rng(5)
+    arrays, refs = {}, {}
+    for i, (M, C, N) in enumerate([(7, 96, 3), (11, 576, 9)]):
+        arrays[f"x_{i}"] = rng.standard_normal((N, C)).astype(np.float32)
+        for name in ["F16", "Q4_0", "Q4_1", "Q8_0"]:
+            arrays[f"w_{name}_{i}"], refs[f"{name}_{i}"] = packed_rows(
+                rng.standard_normal((M, C)).astype(np.float32), name)
+    np.savez(tmp_path / "in.npz", **arrays)
+    outs = {}
+    for env in ("portable", "simd"):
+        extra = {"TFNB_PACKED_PORTABLE": "1"} if env == "portable" else {}
+        environ = {k: v for k, v in os.environ.items() if k != "TFNB_PACKED_PORTABLE"}
+        subprocess.run([sys.executable, "-c", _PORTABLE, str(tmp_path / "in.npz"),
+                        str(tmp_path / f"{env}.npz")], check=True, timeout=300,
+                       env={**environ, **extra, "TF_CPP_MIN_LOG_LEVEL": "3"})
+        outs[env] = np.load(tmp_path / f"{env}.npz")
+    for key in outs["simd"].files:
+        name, i, route = key.rsplit("_", 2)
+        x = arrays[f"x_{i}"]
+        ref = refs[f"{name}_{i}"]
+        tol = 1e-6 * np.sqrt(x.shape[1]) * np.abs(ref).max() * np.abs(x).max()
+        np.testing.assert_allclose(outs["portable"][key], outs["simd"][key], atol=tol, rtol=0)
+        xin = q8_activations(x)[0] if route == "int8" and name != "F16" else x
+        np.testing.assert_allclose(outs["portable"][key], xin @ ref.T, atol=tol, rtol=0)
+
+
 @pytest.mark.parametrize("name", ["Q4_1", "Q8_0"])
 def test_many_rows_go_through_a_dequantized_dot_with_the_same_result(name):
     """A prefill's matmul (``DEQUANTIZE_ROWS`` rows or more) takes the dequantize-then-dot

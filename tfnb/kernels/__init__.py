@@ -27,7 +27,7 @@ import tempfile
 import threading
 
 __all__ = ["QTYPES", "row_bytes", "library", "build", "packed_matmul", "packed_dequantize",
-           "OP_NAMES", "KernelBuildError"]
+           "OP_NAMES", "ACTIVATIONS", "KernelBuildError"]
 
 # ggml type ids the kernels read, by GGUF name
 QTYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
@@ -120,9 +120,21 @@ def library():
         return _loaded
 
 
-def packed_matmul(x_NxC, w_MxR, qtype: int, cols: int):
-    """``x @ dequantize(w).T``: float32 ``(N, M)`` from ``x`` (N, cols) and packed rows."""
-    return library().tfnb_packed_mat_mul(x_NxC, w_MxR, qtype=qtype, cols=cols)
+ACTIVATIONS = ("float32", "int8")
+
+
+def packed_matmul(x_NxC, w_MxR, qtype: int, cols: int, activations: str = "float32"):
+    """``x @ dequantize(w).T``: float32 ``(N, M)`` from ``x`` (N, cols) and packed rows.
+
+    ``activations="int8"`` first rounds each row of ``x`` to blocks of 32 int8 values with a
+    float scale ``max|x| / 127`` (as llama.cpp's Q8 activations) and multiplies with integer
+    dot products: faster for Q4_0, Q4_1 and Q8_0 weights, exact for the rounded ``x`` (each
+    value moves by at most half its block's scale). F32 and F16 weights ignore it.
+    """
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations={activations!r}: expected one of {list(ACTIVATIONS)}")
+    return library().tfnb_packed_mat_mul(x_NxC, w_MxR, qtype=qtype, cols=cols,
+                                         activations=activations)
 
 
 def packed_dequantize(w_MxR, qtype: int, cols: int):
