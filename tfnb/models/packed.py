@@ -22,7 +22,7 @@ import numpy as np
 
 from tfnb.kernels import QTYPES, row_bytes
 
-__all__ = ["PackedTensor", "QTYPES", "QTYPE_NAMES", "fuse_rows", "weight_nbytes"]
+__all__ = ["PackedTensor", "QTYPES", "QTYPE_NAMES", "fuse_rows", "weight_nbytes", "packed_like"]
 
 QTYPE_NAMES = {v: k for k, v in QTYPES.items()}
 
@@ -108,3 +108,32 @@ def fuse_rows(parts: list) -> "PackedTensor | np.ndarray":
 def weight_nbytes(w) -> int:
     """Bytes a weight takes on a device: packed bytes, or 4 per value for float32."""
     return w.nbytes if isinstance(w, PackedTensor) else int(np.prod(np.shape(w))) * 4
+
+
+def packed_like(weights: dict, like: dict) -> dict:
+    """``weights`` (float32 arrays by name) packed as ``like``'s tensors of the same name are:
+    their ggml type and layout (``gguf.quants.quantize``); the others as they are. What times a
+    packed model's stages with random values of its own kinds (``tfnb.runtime.calibrate``).
+
+    Examples
+    --------
+    >>> w = {"a": np.ones((64, 3), np.float32), "b": np.ones(3, np.float32)}
+    >>> like = {"a": PackedTensor(np.zeros((3, 36), np.uint8), QTYPES["Q4_0"], 64)}
+    >>> out = packed_like(w, like)
+    >>> out["a"], out["b"] is w["b"]
+    (PackedTensor(Q4_0, shape=(64, 3), 108 bytes), True)
+    """
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    out = {}
+    for name, w in weights.items():
+        ref = like.get(name)
+        if not isinstance(ref, PackedTensor) or ref.qtype == QTYPES["F32"]:
+            out[name] = w
+            continue
+        rows = np.ascontiguousarray(w.T if ref.transposed else w, np.float32)
+        data = np.ascontiguousarray(quantize(rows, GGMLQuantizationType[ref.qtype_name]))
+        out[name] = PackedTensor(data.view(np.uint8).reshape(rows.shape[0], -1), ref.qtype,
+                                 rows.shape[1], ref.transposed)
+    return out

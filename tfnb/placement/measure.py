@@ -309,11 +309,13 @@ def calibrate(model, cluster, topology: Topology | None = None, *, batch: int = 
     config = model.config
     topology = topology or measure_topology(cluster)
     slots = bucket(max(1, context_len), 64, maximum=max(64, config.max_context))
+    weights = getattr(model, "weights", None)
+    kinds = tuple(sorted({getattr(w, "qtype", -1) for w in (weights or {}).values()}))
     key = ("stages", _cluster_key(cluster, topology.devices), getattr(model, "name", None),
-           repr(config), batch, slots)
+           repr(config), kinds, batch, slots)
     if refresh or key not in _CACHE:
-        _CACHE[key] = stage_table(time_stages(config, topology.devices, batch=batch,
-                                              slots=slots), topology, config.n_layers)
+        _CACHE[key] = stage_table(time_stages(config, topology.devices, batch=batch, slots=slots,
+                                              like=weights), topology, config.n_layers)
     return _CACHE[key]
 
 
