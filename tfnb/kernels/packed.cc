@@ -5,12 +5,14 @@
 // as the GGUF file holds it (ggml blocks of 32 values for the quantized types). Types (ggml
 // ids): F32 0, F16 1, Q4_0 2, Q4_1 3, Q8_0 8.
 //
-// The multiply dequantizes one block of 32 weights into registers and multiplies it with the
-// float32 activations, so results equal the float32 path up to summation order. (Quantizing the
-// activations to int8 blocks as llama.cpp does made SmolLM2's matmuls about 1.3x faster here
-// but moved every output by about 0.5%; not taken.) Rows are sharded over the process's
-// intra-op threads. AVX2+FMA+F16C code is chosen at run time when the CPU has it; otherwise
-// portable C++ runs.
+// By default the multiply dequantizes one block of 32 weights into registers and multiplies it
+// with the float32 activations, so results equal the float32 path up to summation order. The
+// op's `activations = "int8"` instead rounds the activations to int8 blocks (as llama.cpp's Q8
+// activations) and uses integer dot products for Q4_0, Q4_1 and Q8_0 weights: on a Zen 3 core
+// a SmolLM2 step's matmuls ran 1.4x (batch 1) to 2x (batch 2) faster, but the rounding moved
+// its logits by about 4% of their spread and flipped a near-tie greedy token, so it is opt-in
+// (benchmarks/results/kernel.md). Rows are sharded over the process's intra-op threads.
+// AVX2+FMA+F16C code is chosen at run time when the CPU has it; otherwise portable C++ runs.
 
 #include <atomic>
 #include <cmath>
@@ -228,10 +230,12 @@ void RowsAvx2(const uint8_t* w, int64_t row_bytes, int64_t cols, const float* x,
       DotRowAvx2<QT, kMaxN>(row, cols, x + n0 * cols, cols, out);
       for (int n = 0; n < kMaxN; ++n) y[(n0 + n) * M + m] = out[n];
     }
-    for (; n0 < N; ++n0) {
-      DotRowAvx2<QT, 1>(row, cols, x + n0 * cols, cols, out);
-      y[n0 * M + m] = out[0];
-    }
+    // the last 1 to 3 rows as one group too (one at a time decoded the row once per row)
+    const int64_t left = N - n0;
+    if (left == 3) DotRowAvx2<QT, 3>(row, cols, x + n0 * cols, cols, out);
+    if (left == 2) DotRowAvx2<QT, 2>(row, cols, x + n0 * cols, cols, out);
+    if (left == 1) DotRowAvx2<QT, 1>(row, cols, x + n0 * cols, cols, out);
+    for (int64_t n = 0; n < left; ++n) y[(n0 + n) * M + m] = out[n];
   }
 }
 #endif  // TFNB_X86
