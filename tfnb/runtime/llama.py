@@ -109,6 +109,11 @@ def fuse_block(weights: dict, i: int) -> dict[str, np.ndarray]:
 # copies (float32 weights: 219 and 1166 ms). They cross near 96 rows.
 DEQUANTIZE_ROWS = 96
 
+# The packed kernel's activations (read when a step is traced, so set it before placing):
+# "float32" keeps results equal to the float32 path up to summation order; "int8" rounds
+# activations to int8 blocks first (``kernels.packed_matmul``): faster, outputs move by ~0.5%.
+PACKED_ACTIVATIONS = "float32"
+
 
 def matmul(x_NxD, w_DxC):
     """``x @ w`` for a 2-D ``x`` and a float32 or ``Packed`` kernel."""
@@ -116,7 +121,8 @@ def matmul(x_NxD, w_DxC):
         if x_NxD.shape[0] >= DEQUANTIZE_ROWS:
             w_CxD = kernels.packed_dequantize(w_DxC.data, w_DxC.qtype, w_DxC.cols)
             return tf.matmul(x_NxD, w_CxD, transpose_b=True)
-        return kernels.packed_matmul(x_NxD, w_DxC.data, w_DxC.qtype, w_DxC.cols)
+        return kernels.packed_matmul(x_NxD, w_DxC.data, w_DxC.qtype, w_DxC.cols,
+                                     PACKED_ACTIVATIONS)
     return tf.matmul(x_NxD, w_DxC)
 
 
