@@ -175,7 +175,7 @@ def test_server_view_and_the_magic_option(placed, ipython, monkeypatch):
         assert isinstance(view, ServingView) and view.running
         assert "replica 0" in view.html.value and view.model is server.placed
         view.stop()
-        other = server.view(interval=0.2)
+        other = tfnb.serving_view(server, interval=0.2)
         assert other.status["replicas"][0]["devices"] == placed.devices
         other.close()
     finally:

@@ -306,7 +306,7 @@ def _finish(events: list, options: dict) -> tuple[str, int]:
 
 class Server:
     """A running endpoint: ``url`` (ends in ``/v1``, for OpenAI clients), ``model``, ``close()``;
-    ``placed`` is what it serves (a ``ReplicatedModel``; ``view()`` shows it live).
+    ``placed`` is what it serves (a ``ReplicatedModel``; ``tfnb.serving_view(server)`` shows it live).
 
     Examples
     --------
@@ -333,21 +333,6 @@ class Server:
         """What the endpoint's model is serving now (``ReplicatedModel.serving_status``)."""
         return self.placed.serving_status()
 
-    def view(self, interval: float = 0.5):
-        """A live :class:`tfnb.notebook.widgets.ServingView` of the requests this endpoint
-        serves: lanes' rows in use, requests in flight with tokens/s, the last finished ones,
-        redrawn every ``interval`` s by a background thread (the kernel stays free).
-
-        Examples
-        --------
-        >>> server = tfnb.serve(placed)               # doctest: +SKIP
-        >>> server.view()                             # doctest: +SKIP
-        """
-        # asked for a widget by name: only then is the notebook layer (ipywidgets) imported
-        from tfnb.notebook.widgets.serving import ServingView
-
-        return ServingView(self, interval=interval)
-
     def __enter__(self) -> "Server":
         return self
 
@@ -373,8 +358,8 @@ def serve(placed, host: str = "127.0.0.1", port: int = 0, api_key: str | None = 
     Returns
     -------
     Server
-        With ``url`` (``http://host:port/v1``), ``model``, ``close()`` and ``view()`` (a live
-        view of the requests in flight).
+        With ``url`` (``http://host:port/v1``), ``model`` and ``close()``;
+        ``tfnb.serving_view(server)`` gives a live view of the requests in flight.
 
     Examples
     --------

@@ -323,7 +323,7 @@ class TfnbMagics(Magics):
                                               "(needed beyond loopback)")
     @argument("--model", default=None, help="the model name clients ask for")
     @argument("--view", action="store_true",
-              help="also show a live view of the requests it serves (server.view())")
+              help="also show a live view of the requests it serves (tfnb.serving_view(server))")
     @argument("-o", "--output", default=None, help="store the server in this variable")
     @line_magic
     def tfserve(self, line: str = ""):
@@ -353,7 +353,9 @@ class TfnbMagics(Magics):
         if args.output:
             self.shell.user_ns[args.output] = server
         if args.view:
-            display(server.view())  # the view's thread redraws it; the cell ends at once
+            from tfnb.notebook.widgets.serving import serving_view  # imports ipywidgets
+
+            display(serving_view(server))  # the view's thread redraws it; the cell ends at once
         return server
 
     def _store(self, output: str | None, exc: BaseException) -> None:

@@ -1,4 +1,4 @@
-"""Notebook widgets (ipywidgets): the placement editor.
+"""Notebook widgets (ipywidgets): the placement editor and the serving view.
 
 Importing this package imports ipywidgets; ``import tfnb`` does not (``tfnb.PlacementEditor``
 is resolved on first use).
@@ -13,6 +13,6 @@ True
 """
 from tfnb.notebook.widgets.dataflow import plan_svg
 from tfnb.notebook.widgets.placement import PlacementEditor
-from tfnb.notebook.widgets.serving import ServingView, serving_view  # noqa: F401 (exported)
+from tfnb.notebook.widgets.serving import ServingView, serving_view
 
-__all__ = ["PlacementEditor", "plan_svg"]
+__all__ = ["PlacementEditor", "ServingView", "plan_svg", "serving_view"]

@@ -12,7 +12,7 @@ Examples
 --------
 >>> view = tfnb.serving_view(placed)          # doctest: +SKIP
 >>> view                                      # doctest: +SKIP
->>> server = tfnb.serve(placed); server.view()  # doctest: +SKIP
+>>> server = tfnb.serve(placed); tfnb.serving_view(server)  # doctest: +SKIP
 >>> view.stop()                               # doctest: +SKIP
 """
 from __future__ import annotations
