@@ -97,6 +97,18 @@ def test_int8_activations_are_exact_for_the_rounded_activations(name, M, C, N):
     assert np.median(err_NxM / (bound_NxM + 1e-30)) < 0.5
 
 
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_int8_activations_carry_inf_and_nan_to_their_row_only(name):
+    rng = np.random.default_rng(6)
+    w_MxR, ref_MxC = packed_rows(rng.standard_normal((9, 96)).astype(np.float32), name)
+    x_NxC = rng.standard_normal((3, 96)).astype(np.float32)
+    x_NxC[0, 40], x_NxC[1, 70] = np.nan, np.inf
+    got = kernels.packed_matmul(x_NxC, w_MxR, kernels.QTYPES[name], 96, "int8").numpy()
+    assert np.isnan(got[:2]).all()
+    want = q8_activations(x_NxC[2:])[0] @ ref_MxC.T
+    np.testing.assert_allclose(got[2:], want, atol=1e-5 * np.abs(want).max(), rtol=0)
+
+
 @pytest.mark.parametrize("name", ["F32", "F16"])
 def test_int8_activations_leave_float_weights_on_the_float_route(name):
     rng = np.random.default_rng(4)
@@ -136,6 +148,7 @@ def test_portable_code_agrees_with_the_simd_code(tmp_path):
     arrays, refs = {}, {}
     for i, (M, C, N) in enumerate([(7, 96, 3), (11, 576, 9)]):
         arrays[f"x_{i}"] = rng.standard_normal((N, C)).astype(np.float32)
+        arrays[f"x_{i}"][0, 50] = np.nan  # row 0: NaN on both routes, both codes
         for name in ["F16", "Q4_0", "Q4_1", "Q8_0"]:
             arrays[f"w_{name}_{i}"], refs[f"{name}_{i}"] = packed_rows(
                 rng.standard_normal((M, C)).astype(np.float32), name)
@@ -152,10 +165,12 @@ def test_portable_code_agrees_with_the_simd_code(tmp_path):
         name, i, route = key.rsplit("_", 2)
         x = arrays[f"x_{i}"]
         ref = refs[f"{name}_{i}"]
-        tol = 1e-6 * np.sqrt(x.shape[1]) * np.abs(ref).max() * np.abs(x).max()
+        tol = 1e-6 * np.sqrt(x.shape[1]) * np.abs(ref).max() * np.nanmax(np.abs(x))
         np.testing.assert_allclose(outs["portable"][key], outs["simd"][key], atol=tol, rtol=0)
+        assert np.isnan(outs["portable"][key][0]).all()
+        x = x[1:]
         xin = q8_activations(x)[0] if route == "int8" and name != "F16" else x
-        np.testing.assert_allclose(outs["portable"][key], xin @ ref.T, atol=tol, rtol=0)
+        np.testing.assert_allclose(outs["portable"][key][1:], xin @ ref.T, atol=tol, rtol=0)
 
 
 @pytest.mark.parametrize("name", ["Q4_1", "Q8_0"])

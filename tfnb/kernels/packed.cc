@@ -247,7 +247,7 @@ void RowsAvx2(const uint8_t* w, int64_t row_bytes, int64_t cols, const float* x,
 // (Q4_0: -8 d_w, Q4_1: m) multiplies s. The result is exactly dequantize(w) . dequantize(q(x))
 // up to float rounding: the only approximation is the activations' rounding, at most d_x / 2
 // per value. Portable and AVX2 code quantize identically, so machines agree up to summation
-// order.
+// order. A block holding an inf or NaN gets scale NaN (its row's outputs are NaN).
 
 struct QuantizedRows {
   int64_t n = 0, nb = 0;  // rows, blocks per row
@@ -255,15 +255,23 @@ struct QuantizedRows {
   std::unique_ptr<int8_t[]> q;  // [nb, n, 32]: block-major, a group of rows' block is contiguous
   std::unique_ptr<float[]> d;   // [n, nb]
   std::unique_ptr<float[]> s;   // [n, nb]
-  std::unique_ptr<float[]> dt;  // d transposed, [nb, n8] (zero past n): 8 rows' scales a load
+  std::unique_ptr<float[]> dt;  // d transposed, [nb, n8] (zero past n): a group's side by side
   const int8_t* Q(int64_t b, int64_t r) const { return q.get() + (b * n + r) * kBlock; }
   const float* D(int64_t r) const { return d.get() + r * nb; }
   const float* S(int64_t r) const { return s.get() + r * nb; }
 };
 
 void QuantizeBlockPortable(const float* x, int8_t* q, float* d_out, float* s_out) {
-  float amax = 0.f;
-  for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(x[j]));
+  float amax = 0.f, probe = 0.f;  // probe: NaN if any value is inf or NaN
+  for (int j = 0; j < kBlock; ++j) {
+    amax = std::max(amax, std::fabs(x[j]));
+    probe += x[j] * 0.f;
+  }
+  if (probe != probe) {
+    std::memset(q, 0, kBlock);
+    *d_out = *s_out = std::nanf("");
+    return;
+  }
   const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
   int sum = 0;
   for (int j = 0; j < kBlock; ++j) {
@@ -278,10 +286,16 @@ void QuantizeBlockPortable(const float* x, int8_t* q, float* d_out, float* s_out
 TFNB_AVX2 void QuantizeBlockAvx2(const float* x, int8_t* q, float* d_out, float* s_out) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 v[4];
-  __m256 amax = _mm256_setzero_ps();
+  __m256 amax = _mm256_setzero_ps(), probe = _mm256_setzero_ps();
   for (int k = 0; k < 4; ++k) {
     v[k] = _mm256_loadu_ps(x + 8 * k);
     amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[k]));
+    probe = _mm256_add_ps(probe, _mm256_mul_ps(v[k], _mm256_setzero_ps()));
+  }
+  if (_mm256_movemask_ps(_mm256_cmp_ps(probe, probe, _CMP_UNORD_Q))) {
+    std::memset(q, 0, kBlock);
+    *d_out = *s_out = std::nanf("");
+    return;
   }
   __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
   m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
