@@ -69,7 +69,11 @@ def test_the_deliberately_heavier_block_is_the_slowest_stage(cluster, tiny_llama
     steps = len(got[0]) - 1  # the first token comes from prefill
     assert by["block.0"]["steps"] == by["block.1"]["steps"] == by["head"]["steps"] == steps
     assert by["block.1"]["ms_per_step"] > 2 * by["block.0"]["ms_per_step"], rows
-    assert next(iter(by["block.1"]["kinds"])) == "matmul"  # its extra work is matmuls
+    assert next(iter(by["block.1"]["step_kinds"])) == "matmul"  # its extra work is matmuls
+    for r in rows:  # a step's kinds add up to the step (prefill not counted in)
+        if r["steps"]:
+            assert sum(r["step_kinds"].values()) == pytest.approx(r["ms_per_step"])
+            assert r["decode_ms"] < r["measured_ms"]
     assert all(r["predicted_ms"] == pytest.approx(plan.prediction.stage_s[r["stage"]] * 1e3) for r in rows)
     # the runtime's own op kinds are told apart
     kinds = {k for r in rows for k in r["kinds"]}

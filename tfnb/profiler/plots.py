@@ -92,7 +92,7 @@ def slowest(rows) -> tuple[dict, str, float] | None:
         return None
     per = [(r["ms_per_step"] if r.get("ms_per_step") else r["measured_ms"], r) for r in rows]
     _, row = max(per, key=lambda x: x[0])
-    kinds = row.get("kinds") or {}
+    kinds = (row.get("step_kinds") if row.get("ms_per_step") else None) or row.get("kinds") or {}
     if not kinds:
         return row, "", 0.0
     kind = max(kinds, key=kinds.get)
@@ -104,12 +104,12 @@ def stages(prof, ax, plan=None, predicted=None) -> None:
     the planner's predicted time as a black tick; the title names the slowest stage and kind."""
     rows = prof.stage_times(plan, predicted)
     xs = list(range(len(rows)))
-    scale = [r["ms_per_step"] / r["decode_ms"] if r.get("ms_per_step") and r["decode_ms"] else
-             1.0 for r in rows]  # kinds are over the whole block: show them per step
+    # per decode step where the stage decoded, else its time in the whole block
+    shown = [(r.get("step_kinds") if r.get("ms_per_step") else None) or r.get("kinds") or {} for r in rows]
     bottom = [0.0] * len(rows)
-    kinds = [k for k in KIND_COLORS if any(k in (r.get("kinds") or {}) for r in rows)]
+    kinds = [k for k in KIND_COLORS if any(k in sh for sh in shown)]
     for kind in kinds:
-        vals = [(r.get("kinds") or {}).get(kind, 0.0) * f for r, f in zip(rows, scale)]
+        vals = [sh.get(kind, 0.0) for sh in shown]
         ax.bar(xs, vals, 0.8, bottom=bottom, color=KIND_COLORS[kind], label=kind)
         bottom = [a + b for a, b in zip(bottom, vals)]
     if not kinds:  # stages of the caller's own: one bar each
@@ -127,7 +127,9 @@ def stages(prof, ax, plan=None, predicted=None) -> None:
     row, kind, share = found
     title = f"slowest stage: {row['stage']} ({short_device(row['device'])})"
     ax.set_title(title + (f", {kind} {share:.0%}" if kind else ""), fontsize="medium")
-    ax.legend(fontsize="x-small", ncol=2)
+    top = max([b for b in bottom] + [v for _, v in pred] + [r["measured_ms"] for r in rows if not kinds] + [1e-6])
+    ax.set_ylim(0, top * 1.35)  # room for the legend above the bars
+    ax.legend(fontsize="x-small", ncol=4, loc="upper left")
 
 
 def bound(prof, ax, models=None, bandwidth=None) -> None:

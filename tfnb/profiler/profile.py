@@ -384,7 +384,8 @@ class Profile:
 
         - ``measured_ms``: its ops' time in the block (summed over threads), prefill and decode;
         - ``prefill_ms``, ``decode_ms`` and ``steps`` (decode steps it ran), ``ms_per_step``;
-        - ``kinds``: ``{kind: ms}``, most first;
+        - ``kinds``: ``{kind: ms}``, most first, over the block; ``step_kinds``: ``{kind: ms per
+          decode step}`` (empty when the stage did not decode);
         - ``predicted_ms``: the planner's seconds per step for the stage (x 1000), from
           ``plan`` (a Plan, or a placed model's; default: the plan of the placed model that
           decoded in the block) or from ``predicted`` (``{stage: ms}``), at the plan's batch
@@ -417,13 +418,15 @@ class Profile:
         for e in self.compiled:
             if e["stage"] is None or (assignment is not None and e["stage"] not in assignment):
                 continue
-            c = cells.setdefault((e["stage"], e["device"]), {"kinds": {}, "phase": {}, "runs": {}})
+            c = cells.setdefault((e["stage"], e["device"]), {"kinds": {}, "decode_kinds": {}, "phase": {},
+                                                             "runs": {}})
             phase = "decode" if "decode" in e["module"] else "prefill" if "prefill" in e["module"] else "other"
             c["phase"][phase] = c["phase"].get(phase, 0) + e["dur"]
             c["kinds"][e["kind"]] = c["kinds"].get(e["kind"], 0) + e["dur"]
             if phase == "decode":
                 key = (e["module"], e["name"])
                 c["runs"][key] = c["runs"].get(key, 0) + 1
+                c["decode_kinds"][e["kind"]] = c["decode_kinds"].get(e["kind"], 0) + e["dur"]
         order = list(assignment) if assignment is not None else None
         rows = []
         for (stage, dev), c in sorted(cells.items(), key=lambda kv: (_stage_order(kv[0][0], order),
@@ -435,7 +438,9 @@ class Profile:
             row = {"stage": stage, "device": dev, "basis": "compiled ops",
                    "measured_ms": sum(c["phase"].values()) / _MS, "prefill_ms": c["phase"].get("prefill", 0) / _MS,
                    "decode_ms": decode / _MS, "steps": steps, "ms_per_step": decode / steps / _MS if steps else None,
-                   "kinds": {k: v / _MS for k, v in sorted(c["kinds"].items(), key=lambda kv: -kv[1])}}
+                   "kinds": {k: v / _MS for k, v in sorted(c["kinds"].items(), key=lambda kv: -kv[1])},
+                   "step_kinds": {k: v / steps / _MS for k, v in sorted(c["decode_kinds"].items(),
+                                                                        key=lambda kv: -kv[1])} if steps else {}}
             if predicted is not None:
                 row["predicted_ms"] = predicted.get(stage)
             rows.append(row)
@@ -460,7 +465,7 @@ class Profile:
         use = scoped or evs
         row = {"stage": stage, "device": full[0], "devices": full, "basis": "name scope" if scoped else "device",
                "measured_ms": sum(union_ns([(e.start, e.start + e.dur) for e in use if e.device == d], 0, self.window_ns)
-                                  for d in full) / _MS, "kinds": {}}
+                                  for d in full) / _MS, "kinds": {}, "step_kinds": {}}
         if predicted is not None:
             row["predicted_ms"] = predicted.get(stage)
         return row

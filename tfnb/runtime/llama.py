@@ -114,15 +114,19 @@ DEQUANTIZE_ROWS = 96
 # activations to int8 blocks first (``kernels.packed_matmul``): faster, outputs move by ~0.5%.
 PACKED_ACTIVATIONS = "float32"
 
+# The op wrappers load (and may build) the op library: AutoGraph would try to convert that
+# Python when a step is traced and warn that it cannot ("could not transform <function exists>").
+_packed_matmul = tf.autograph.experimental.do_not_convert(kernels.packed_matmul)
+_packed_dequantize = tf.autograph.experimental.do_not_convert(kernels.packed_dequantize)
+
 
 def matmul(x_NxD, w_DxC):
     """``x @ w`` for a 2-D ``x`` and a float32 or ``Packed`` kernel."""
     if isinstance(w_DxC, Packed):
         if x_NxD.shape[0] >= DEQUANTIZE_ROWS:
-            w_CxD = kernels.packed_dequantize(w_DxC.data, w_DxC.qtype, w_DxC.cols)
+            w_CxD = _packed_dequantize(w_DxC.data, w_DxC.qtype, w_DxC.cols)
             return tf.matmul(x_NxD, w_CxD, transpose_b=True)
-        return kernels.packed_matmul(x_NxD, w_DxC.data, w_DxC.qtype, w_DxC.cols,
-                                     PACKED_ACTIVATIONS)
+        return _packed_matmul(x_NxD, w_DxC.data, w_DxC.qtype, w_DxC.cols, PACKED_ACTIVATIONS)
     return tf.matmul(x_NxD, w_DxC)
 
 
@@ -278,7 +282,7 @@ def embed(ids_BxT, table_VxD):
         # gather from the read value: gathering from the variable itself (ResourceGather) would
         # switch it to copy-on-read, and every later read (the head's matmul) would copy it
         rows_NxR = tf.gather(tf.convert_to_tensor(table_VxD.data), tf.reshape(ids_BxT, [-1]))
-        x_NxD = kernels.packed_dequantize(rows_NxR, table_VxD.qtype, table_VxD.cols)
+        x_NxD = _packed_dequantize(rows_NxR, table_VxD.qtype, table_VxD.cols)
         return tf.reshape(x_NxD, [ids_BxT.shape[0], ids_BxT.shape[1], table_VxD.cols])
     return tf.gather(table_VxD, ids_BxT)
 
