@@ -124,15 +124,16 @@ def _majority(values):
 _SKIP_OPCODES = _CONTAINER_OPCODES | {"parameter", "constant", "tuple", "get-tuple-element"}
 
 
-_MODULES: dict = {}  # blake2b of a serialized HloProto -> compiled_ops(); each profile of the
-# same placed model carries the same modules again (0.1-0.2 s each for a SmolLM2 segment)
+_MODULES: dict = {}  # (module, size) -> compiled_ops(); each profile of the same placed model
+# carries the same modules again (0.1-0.2 s each for a SmolLM2 segment). Keyed by the
+# metadata plane's "name(program id)" and the proto's size, not its bytes: probed, a module's
+# serialized proto differs from one snapshot to the next.
 
 
-def module_ops(hlo_proto: bytes) -> dict[str, CompiledOp]:
-    """:func:`compiled_ops`, remembered per module (the 64 most recent)."""
-    import hashlib
-
-    key = hashlib.blake2b(hlo_proto, digest_size=16).digest()
+def module_ops(module: str, hlo_proto: bytes) -> dict[str, CompiledOp]:
+    """:func:`compiled_ops` of ``module`` (``"name(program id)"``), remembered (the 64 most
+    recent)."""
+    key = (module, len(hlo_proto))
     if key not in _MODULES:
         if len(_MODULES) >= 64:
             _MODULES.pop(next(iter(_MODULES)))
@@ -187,8 +188,10 @@ def compiled_ops(hlo_proto: bytes) -> dict[str, CompiledOp]:
                 opk = "matmul" if any(p[2] == "matmul" for p in parts) else (opk or _majority([p[2] for p in parts]))
             own[ins.id] = (stage, kind, opk)
 
+        operands = {k: list(v.operand_ids) for k, v in by_id.items()}
+
         def nearest(iid):  # the scope of the closest user with one, else of an operand
-            for links in (users, {k: list(v.operand_ids) for k, v in by_id.items()}):
+            for links in (users, operands):
                 seen, frontier = {iid}, [iid]
                 for _ in range(6):
                     frontier = [n for f in frontier for n in links.get(f, ()) if n not in seen]
@@ -256,7 +259,7 @@ def parse_space(space, device_of, *, shift_ns: int) -> Parsed:
             for md in plane.event_metadata.values():
                 for st in md.stats:
                     if names.get(st.metadata_id) == "Hlo Proto" and st.bytes_value:
-                        modules[md.name] = module_ops(st.bytes_value)
+                        modules[md.name] = module_ops(md.name, st.bytes_value)
     for plane in space.planes:
         device = device_of(plane.name)
         if device is None:
