@@ -14,8 +14,7 @@ from tfnb.errors import ProfileError
 B, H = 4, 96  # batch and hidden size of the known split: each boundary moves B*H*4 bytes
 
 
-@pytest.fixture
-def split(cluster):
+def known_split(cluster):
     """x on worker 0 -> matmul -> worker 1 -> matmul -> back to worker 0, inside a tf.function."""
     import tensorflow as tf
 
@@ -35,8 +34,13 @@ def split(cluster):
         with tf.device(w0):
             return y_BxH + 1.0
 
-    chain(x_BxH)  # trace and place outside the profiled block
+    chain(x_BxH).numpy()  # trace and place outside the profiled block
     return types.SimpleNamespace(chain=chain, x=x_BxH, w0=w0, w1=w1, vars=(k0, k1))
+
+
+@pytest.fixture
+def split(cluster):
+    return known_split(cluster)
 
 
 def _with_targets(cluster, extra: dict):

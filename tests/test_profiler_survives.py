@@ -6,7 +6,6 @@ import signal
 import subprocess
 import sys
 import time
-import types
 import warnings
 
 import pytest
@@ -15,8 +14,8 @@ import tfnb
 import tfnb.profiler
 from tfnb.cluster.security import ExposedServerWarning
 from tfnb.profiler import capture
+from tests.test_profiler import B, H, known_split  # each boundary moves B*H*4 bytes per call
 
-B, H = 4, 96  # each boundary of the split moves B*H*4 bytes per call
 CALLS = 150   # enough calls that the workers take a while to convert their traces
 
 
@@ -32,28 +31,7 @@ def fresh():
         c.stop()  # a second stop is a no-op
 
 
-def _split(cluster):
-    """x on worker 0 -> matmul -> worker 1 -> matmul -> back to worker 0, in one tf.function."""
-    import tensorflow as tf
-
-    w0, w1 = (f"{w}/device:CPU:0" for w in cluster.workers)
-    with tf.device(w0):
-        k0 = tf.Variable(tf.random.normal([H, H]))
-        x_BxH = tf.identity(tf.ones([B, H]))
-    with tf.device(w1):
-        k1 = tf.Variable(tf.random.normal([H, H]))
-
-    @tf.function
-    def chain(x_BxH):
-        with tf.device(w0):
-            h_BxH = tf.matmul(x_BxH, k0)
-        with tf.device(w1):
-            y_BxH = tf.nn.relu(tf.matmul(h_BxH, k1))
-        with tf.device(w0):
-            return y_BxH + 1.0
-
-    chain(x_BxH).numpy()  # trace and place outside the profiled block
-    return types.SimpleNamespace(chain=chain, x=x_BxH, w0=w0, w1=w1, vars=(k0, k1))
+_split = known_split  # the split whose transfer sizes are known exactly
 
 
 def _run(split, calls=CALLS):
