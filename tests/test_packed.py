@@ -33,9 +33,12 @@ def packed_rows(w_MxC, name):
 
 
 @pytest.mark.parametrize("name", TYPES)
-@pytest.mark.parametrize("M,C,N", [(1, 32, 1), (7, 96, 3), (33, 576, 9), (5, 1536, 4)])
+@pytest.mark.parametrize("M,C,N", [(1, 32, 1), (7, 96, 3), (33, 576, 9), (5, 1536, 4),
+                                   (6, 64, 5), (9, 64, 6), (3, 160, 8), (10, 96, 17)])
 def test_packed_matmul_matches_gguf_dequantize(name, M, C, N):
-    """Odd row counts, one-block and many-block rows, batches around the kernel's groups of 4."""
+    """Odd row counts, one-block and many-block rows; up to 5 activation rows at once in
+    registers, more in tiles of 4 weight rows x 3 activation rows (and their 1 to 3 row
+    remainders)."""
     import tensorflow as tf
 
     rng = np.random.default_rng(M * C + N)

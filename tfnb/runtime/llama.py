@@ -102,12 +102,12 @@ def fuse_block(weights: dict, i: int) -> dict[str, np.ndarray]:
     }
 
 
-# From this many rows of ``x`` on (a prefill), a packed matrix is dequantized once and multiplied
-# by XLA's dot. Probed on SmolLM2, one core, prefill of B x 48 slots: through the packed kernel
-# (which decodes each weight block once per 4 rows) 333 ms at B=1 and 3033 ms at B=8, about
-# 8 ms per row; dequantized first 537 ms and 1779 ms, about 3.7 ms per row plus 360 ms for the
-# copies (float32 weights: 219 and 1166 ms). They cross near 96 rows.
-DEQUANTIZE_ROWS = 96
+# From this many rows of ``x`` on (a long prefill), a packed matrix is dequantized once and
+# multiplied by XLA's dot. Probed on SmolLM2's matrices (its 30 blocks), one core: the packed
+# kernel (which decodes 4 weight rows at a time into floats and multiplies them in register
+# tiles) took 173 ms for 48 rows, 322 for 96, 1354 for 384, 2721 for 768 and 5880 for 1536;
+# dequantized first 625, 748, 1672, 2753 and 5244 ms. They cross near 800 rows.
+DEQUANTIZE_ROWS = 1024
 
 # The packed kernel's activations (read when a step is traced, so set it before placing):
 # "float32" keeps results equal to the float32 path up to summation order; "int8" rounds
