@@ -17,9 +17,10 @@ second of the round and the median and 95th percentile of the requests' latencie
 * ``llama.cpp``: ``llama-server -t 1 -np 16`` on core 0, and with ``--rpc`` over two
   ``ggml-rpc-server``s on cores 0 and 1; requests through its OpenAI API.
 
-For the tfnb configurations the planner's predicted throughput at 8 concurrent requests (its
-stage times calibrated on the workers, at the batch each lane or copy then runs) is set beside
-the measurement. The machine is shared and noisy: compare the ratios of one run. Writes
+For the tfnb configurations the planner's predicted throughput at 8 concurrent requests is set
+beside the measurement: ``tfnb.plan(..., prompt_len=..., new_tokens=...)``, its stage times
+calibrated on the workers at the batch each lane or copy then runs, and each request's prefill
+timed there too (the figure counts both); its decode steps' rate alone is given as well. The machine is shared and noisy: compare the ratios of one run. Writes
 ``benchmarks/results/serving.md`` and ``.json``.
 
 Run::
@@ -113,8 +114,10 @@ def bench_tfnb(model, prompt_ids, requests: int, new: int, predict: bool = True,
             if not predict:
                 continue
             try:  # the context of a lane's caches (256 slots), not the planner's default
-                predicted = tfnb.plan(model, cluster, batch=batch, context_len=256, **how)
+                predicted = tfnb.plan(model, cluster, batch=batch, context_len=256,
+                                      prompt_len=len(prompt_ids), new_tokens=new, **how)
                 results[name].update(predicted_at_8=predicted.prediction.throughput,
+                                     predicted_decode_at_8=predicted.prediction.decode_throughput,
                                      predicted_plan=str(predicted.segments()))
             except tfnb.errors.PlacementError as e:
                 print(name, "no prediction:", e, flush=True)
@@ -205,8 +208,9 @@ def summary(results: dict) -> str:
     for n, r in results.items():
         if "predicted_at_8" in r:
             p = r["predicted_at_8"]
-            lines.append(f"- {n}: planner predicted {p:.1f} tokens/s at {PREDICT_AT} requests, "
-                         f"measured {rate[n]:.1f} ({rate[n] / p - 1:+.0%}); {r['lanes']} lane(s)")
+            lines.append(f"- {n}: planner predicted {p:.1f} tokens/s at {PREDICT_AT} requests "
+                         f"(prefills included; decode steps alone {r['predicted_decode_at_8']:.1f}),"
+                         f" measured {rate[n]:.1f} ({rate[n] / p - 1:+.0%}); {r['lanes']} lane(s)")
     return "\n".join(lines)
 
 

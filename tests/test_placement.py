@@ -450,3 +450,51 @@ def test_a_directory_or_another_models_plan_is_refused(tmp_path):
     other = Plan({"embed": "a", **{f"block.{i}": "a" for i in range(5)}, "head": "a"})
     with pytest.raises(PlacementError, match="block.2"):
         other.validate(tiny("llama").chain, ["a"])
+
+
+def test_served_requests_count_their_prefills():
+    """With ``prompt_len`` and ``new_tokens`` the throughput is of requests that each prefill
+    a prompt and then decode: batch * new / max over resources of (batch * prefill + new *
+    step), for a split and for replicas; without them it is the decode steps' rate."""
+    chain = tiny("llama").chain
+    names = chain.names
+    step = {"a": 2e-3, "b": 1e-3}   # seconds per decode step of each stage on each device
+    pre = {"a": 10e-3, "b": 30e-3}  # seconds per prompt
+    topo = Topology(["a", "b"], latency=0.0, bandwidth=math.inf,
+                    stage_times={(s, d): step[d] for s in names for d in "ab"},
+                    prefill_times={(s, d): pre[d] for s in names for d in "ab"})
+    split = dict(zip(names, "aabb"))
+    decode = predict(chain, split, topo, batch=4)
+    assert decode.throughput == pytest.approx(4 / (2 * 2e-3))   # device a: 2 stages
+    served = predict(chain, split, topo, batch=4, prompt_len=40, new_tokens=16)
+    busy = {"a": 4 * 2 * 10e-3 + 16 * 2 * 2e-3, "b": 4 * 2 * 30e-3 + 16 * 2 * 1e-3}
+    assert served.throughput == pytest.approx(4 * 16 / max(busy.values()))   # b now bounds it
+    assert served.decode_throughput == pytest.approx(decode.throughput)
+    assert served.prefill_s == {s: pre[d] for s, d in split.items()}
+    assert "serving requests of 40 prompt + 16 new tokens" in str(
+        Plan.from_assignment(chain, split, topo, 4, 64, prompt_len=40, new_tokens=16))
+    copies = plan(chain, topo, mode="replicate", batch=4, context_len=64, prompt_len=40,
+                  new_tokens=16).prediction
+    assert copies.throughput == pytest.approx(sum(
+        2 * 16 / (2 * 4 * pre[d] + 16 * 4 * step[d]) for d in "ab"))
+    for bad in ({"prompt_len": 40}, {"new_tokens": 16}, {"prompt_len": -1, "new_tokens": 3}):
+        with pytest.raises(PlacementError, match="prompt_len|new_tokens"):
+            predict(chain, split, topo, **bad)
+
+
+def test_plan_times_the_prefill_of_a_served_prompt(cluster):
+    """``plan(prompt_len=...)`` on a cluster times every stage's prefill of such a prompt on
+    every device, and the prediction is built from those times."""
+    from tfnb.placement import clear_cache
+    from tfnb.placement.planners import as_topology
+
+    model = tiny("llama")
+    clear_cache()
+    p = plan(model, cluster, context_len=64, prompt_len=20, new_tokens=8)
+    topo = as_topology(cluster, model, 1, 64, prompt_len=20)   # cached: the plan's own
+    assert set(topo.prefill_times) == {(s, d) for s in model.chain.names
+                                       for d in cluster.devices}
+    assert sum(topo.prefill_times.values()) > 0
+    assert p.prediction.prefill_s == {s: topo.prefill_times[(s, d)]
+                                      for s, d in p.assignment.items()}
+    assert 0 < p.prediction.throughput < p.prediction.decode_throughput

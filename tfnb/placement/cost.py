@@ -18,6 +18,12 @@ next to the head) return to the embedding's device for the next step.
   included: a link is taken to carry one message at a time). This is the steady state of a
   pipeline with enough independent batches in flight (at least one per segment); with a single
   batch in flight throughput is ``batch / latency``.
+  **Serving requests** (``prompt_len`` and ``new_tokens`` given): each of the ``batch``
+  sequences is a request that first prefills its prompt (``p(s, d)``: ``prefill_times``
+  measured, else compute bound, the head on the last position only) and then makes
+  ``new_tokens`` tokens, requests following one another. In the time ``batch`` of them take,
+  a resource works ``batch * prefill + new_tokens * step``, so throughput = ``batch *
+  new_tokens / max(batch * prefill + new_tokens * step)`` over the resources.
 - **bytes per token** = bytes crossing devices per step / ``batch``.
 - **memory** per device = parameters of its stages + their KV cache for ``batch`` x
   ``context_len`` tokens. Activations and workspace are not counted.
@@ -34,7 +40,7 @@ import numpy as np
 from tfnb.errors import PlacementError
 from tfnb.names import format_bytes, short_device
 
-__all__ = ["Topology", "Prediction", "predict", "parse_bytes", "short_device", "TOKEN_BYTES",
+__all__ = ["Topology", "Prediction", "predict", "serving_rate", "parse_bytes", "short_device", "TOKEN_BYTES",
            "DEFAULT_CONTEXT_LEN"]
 
 TOKEN_BYTES = 4            # one int32 token id per sequence returns from head to embed
@@ -85,6 +91,19 @@ def _per_device(name: str, value, devices: tuple[str, ...], positive=True) -> np
     return arr
 
 
+def _times(name: str, times, devices) -> dict:
+    """``{(stage, device): seconds}`` checked: known devices, seconds >= 0."""
+    out = {}
+    for key, seconds in dict(times or {}).items():
+        if not (isinstance(key, tuple) and len(key) == 2 and key[1] in devices):
+            raise PlacementError(f"{name} key {key!r}: expected (stage, device) with a "
+                                 f"device of {list(devices)}")
+        if not (isinstance(seconds, (int, float)) and seconds >= 0):
+            raise PlacementError(f"{name}[{key!r}]={seconds!r}: expected seconds >= 0")
+        out[key] = float(seconds)
+    return out
+
+
 def _matrix(name: str, value, n: int, positive: bool) -> np.ndarray:
     arr = np.asarray(value, dtype=float)
     if arr.ndim == 0:
@@ -111,6 +130,7 @@ class Topology:
     bandwidth : bytes/s per hop, a scalar or a ``(D, D)`` matrix
     stage_times : ``{(stage, device): seconds per step}``, measured times that replace the
         FLOP-based estimate (calibration, e.g. from the runtime's per-stage timings)
+    prefill_times : ``{(stage, device): seconds per prompt}``, measured prefills likewise
 
     Examples
     --------
@@ -122,7 +142,7 @@ class Topology:
     """
 
     def __init__(self, devices, memory=math.inf, flops=1e10, latency=1e-4, bandwidth=1e9,
-                 stage_times=None):
+                 stage_times=None, prefill_times=None):
         devices = tuple(devices) if not isinstance(devices, str) else (devices,)
         if not devices or not all(isinstance(d, str) and d for d in devices):
             raise PlacementError(f"devices={devices!r}: expected a non-empty list of device "
@@ -135,14 +155,8 @@ class Topology:
         self.flops = _per_device("flops", flops, devices)
         self.latency = _matrix("latency", latency, len(devices), positive=False)
         self.bandwidth = _matrix("bandwidth", bandwidth, len(devices), positive=True)
-        self.stage_times = {}
-        for key, seconds in dict(stage_times or {}).items():
-            if not (isinstance(key, tuple) and len(key) == 2 and key[1] in devices):
-                raise PlacementError(f"stage_times key {key!r}: expected (stage, device) with a "
-                                     f"device of {list(devices)}")
-            if not (isinstance(seconds, (int, float)) and seconds >= 0):
-                raise PlacementError(f"stage_times[{key!r}]={seconds!r}: expected seconds >= 0")
-            self.stage_times[key] = float(seconds)
+        self.stage_times = _times("stage_times", stage_times, devices)
+        self.prefill_times = _times("prefill_times", prefill_times, devices)
 
     # --- lookups ----------------------------------------------------------------------------
     def index(self, device: str) -> int:
@@ -164,10 +178,20 @@ class Topology:
             return measured
         return batch * stage.flops(context_len) / float(self.flops[d])
 
+    def prefill_s(self, stage, d: int, prompt_len: int) -> float:
+        """Seconds the prefill of one prompt of ``prompt_len`` tokens takes in ``stage`` on
+        device index ``d`` (measured, else compute bound: the head reads the last position)."""
+        measured = self.prefill_times.get((stage.name, self.devices[d]))
+        if measured is not None:
+            return measured
+        tokens = 1 if stage.kind == "head" else prompt_len
+        return tokens * stage.flops(prompt_len // 2) / float(self.flops[d])
+
     # --- derived topologies -----------------------------------------------------------------
     def _copy(self, **changes) -> "Topology":
         kw = dict(devices=self.devices, memory=self.memory, flops=self.flops,
-                  latency=self.latency, bandwidth=self.bandwidth, stage_times=self.stage_times)
+                  latency=self.latency, bandwidth=self.bandwidth, stage_times=self.stage_times,
+                  prefill_times=self.prefill_times)
         kw.update(changes)
         return Topology(**kw)
 
@@ -197,6 +221,10 @@ class Topology:
     def with_stage_times(self, stage_times: dict) -> "Topology":
         """A copy with measured ``{(stage, device): seconds}`` added (calibration hook)."""
         return self._copy(stage_times={**self.stage_times, **dict(stage_times)})
+
+    def with_prefill_times(self, prefill_times: dict) -> "Topology":
+        """A copy with measured ``{(stage, device): seconds per prompt}`` added."""
+        return self._copy(prefill_times={**self.prefill_times, **dict(prefill_times)})
 
     def classes(self) -> list[list[int]]:
         """Groups of interchangeable device indices (swapping two leaves every figure unchanged).
@@ -244,10 +272,12 @@ class Topology:
 class Prediction:
     """Predicted figures of one assignment (see the module docstring for the model).
 
-    ``latency_s`` seconds per step; ``throughput`` tokens/s (pipelined); ``bytes_per_token``
-    crossing devices; ``memory`` and ``capacity`` in bytes per device; ``bottleneck`` names the
-    busiest resource and ``bottleneck_s`` its seconds per step; ``stage_s`` each stage's
-    seconds per step on its device (a replicated plan: on the first replica).
+    ``latency_s`` seconds per step; ``throughput`` tokens/s (pipelined; with ``prompt_len``
+    and ``new_tokens``, of requests served one after another, their prefills included);
+    ``decode_throughput`` the decode steps' alone; ``bytes_per_token`` crossing devices;
+    ``memory`` and ``capacity`` in bytes per device; ``bottleneck`` names the busiest resource
+    and ``bottleneck_s`` its seconds per step; ``stage_s`` each stage's seconds per step on its
+    device and ``prefill_s`` per prompt (a replicated plan: on the first replica).
     """
 
     latency_s: float
@@ -258,10 +288,25 @@ class Prediction:
     bottleneck: str = ""
     bottleneck_s: float = 0.0
     stage_s: dict = field(default_factory=dict)
+    decode_throughput: float = 0.0
+    prompt_len: int = 0
+    new_tokens: int = 0
+    prefill_s: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.decode_throughput:
+            object.__setattr__(self, "decode_throughput", self.throughput)
 
     def __repr__(self) -> str:
         return (f"Prediction({self.latency_s * 1e3:.3g} ms/token, {self.throughput:.3g} tokens/s, "
                 f"{self.bytes_per_token:,.0f} B/token crossing, bottleneck {self.bottleneck})")
+
+    def rate_words(self) -> str:
+        """What ``throughput`` counts, in words (after "N tokens/s")."""
+        if not self.prompt_len:
+            return "pipelined"
+        return (f"serving requests of {self.prompt_len} prompt + {self.new_tokens} new tokens "
+                f"(decode steps alone {self.decode_throughput:.4g})")
 
     def over_memory(self) -> dict[str, tuple[float, float]]:
         """``{device: (needed, capacity)}`` for devices whose memory is exceeded."""
@@ -302,9 +347,30 @@ def stage_memory(chain, batch: int, context_len: int) -> list[int]:
     return [s.param_bytes + kv[s.name] for s in chain]
 
 
+def check_requests(prompt_len, new_tokens) -> tuple[int, int]:
+    """Validated ``(prompt_len, new_tokens)`` of served requests: both 0 (none) or both >= 1."""
+    for name, value in (("prompt_len", prompt_len), ("new_tokens", new_tokens)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+            raise PlacementError(f"{name}={value!r}: expected a whole number of tokens >= 0")
+    if bool(prompt_len) != bool(new_tokens):
+        raise PlacementError(f"prompt_len={prompt_len!r}, new_tokens={new_tokens!r}: give both "
+                             "(the requests a served model gets) or neither")
+    return int(prompt_len), int(new_tokens)
+
+
+def serving_rate(batch: int, new_tokens: int, step: dict, prefill: dict) -> float:
+    """Tokens/s of ``batch`` sequences that each prefill a prompt and make ``new_tokens``
+    tokens, requests following one another (see the module docstring); ``step`` and
+    ``prefill`` give each resource's seconds per decode step and per prompt."""
+    cycle = max(batch * prefill.get(k, 0.0) + new_tokens * t for k, t in step.items())
+    return batch * new_tokens / cycle if cycle > 0 else math.inf
+
+
 def predict(chain, assignment: dict, topology: Topology, batch: int = 1,
-            context_len: int | None = None) -> Prediction:
-    """Predicted latency, throughput, traffic and memory of ``assignment`` on ``topology``.
+            context_len: int | None = None, prompt_len: int = 0,
+            new_tokens: int = 0) -> Prediction:
+    """Predicted latency, throughput, traffic and memory of ``assignment`` on ``topology``
+    (with ``prompt_len`` and ``new_tokens``: the throughput of served requests).
 
     Examples
     --------
@@ -319,15 +385,21 @@ def predict(chain, assignment: dict, topology: Topology, batch: int = 1,
     """
     check_assignment(chain, assignment, topology.devices)
     batch, context_len = check_load(batch, context_len)
+    prompt_len, new_tokens = check_requests(prompt_len, new_tokens)
     idx = [topology.index(assignment[s.name]) for s in chain]
     busy: dict[str, float] = {}
+    prefill: dict[str, float] = {}  # per resource, seconds per prompt
     stage_s: dict[str, float] = {}
+    prefill_s: dict[str, float] = {}
     latency = crossing = 0.0
     for k, stage in enumerate(chain):
         t = stage_s[stage.name] = topology.stage_s(stage, idx[k], batch, context_len)
         latency += t
         key = f"compute on {short_device(topology.devices[idx[k]])}"
         busy[key] = busy.get(key, 0.0) + t
+        if prompt_len:
+            p = prefill_s[stage.name] = topology.prefill_s(stage, idx[k], prompt_len)
+            prefill[key] = prefill.get(key, 0.0) + p
         nxt, nbytes = (idx[k + 1], batch * stage.act_bytes_out_per_token) if k + 1 < len(idx) \
             else (idx[0], batch * TOKEN_BYTES)
         if nxt != idx[k]:
@@ -337,31 +409,43 @@ def predict(chain, assignment: dict, topology: Topology, batch: int = 1,
             key = (f"link {short_device(topology.devices[idx[k]])} -> "
                    f"{short_device(topology.devices[nxt])}")
             busy[key] = busy.get(key, 0.0) + t
+            if prompt_len:  # a prompt's activations cross once, every position of it
+                prefill[key] = prefill.get(key, 0.0) + topology.link_s(
+                    idx[k], nxt, stage.act_bytes_out_per_token * prompt_len
+                    if k + 1 < len(idx) else TOKEN_BYTES)
     memory = {d: 0 for d in dict.fromkeys(assignment[s] for s in chain.names)}
     for stage, need in zip(chain, stage_memory(chain, batch, context_len)):
         memory[assignment[stage.name]] += need
     capacity = {d: float(topology.memory[topology.index(d)]) for d in memory}
     name, slowest = max(busy.items(), key=lambda kv: kv[1])
-    return Prediction(latency, batch / slowest if slowest > 0 else math.inf, crossing / batch,
-                      memory, capacity, name, slowest, stage_s)
+    decode = batch / slowest if slowest > 0 else math.inf
+    served = serving_rate(batch, new_tokens, busy, prefill) if prompt_len else decode
+    return Prediction(latency, served, crossing / batch, memory, capacity, name, slowest,
+                      stage_s, decode, prompt_len, new_tokens, prefill_s)
 
 
 def predict_replicated(chain, replicas, topology: Topology, batch: int = 1,
-                       context_len: int | None = None) -> Prediction:
+                       context_len: int | None = None, prompt_len: int = 0,
+                       new_tokens: int = 0) -> Prediction:
     """Figures of a full copy of ``chain`` on each of ``replicas``, the batch split across them.
 
     Each copy gets ``ceil(batch / len(replicas))`` sequences (the last ones fewer); latency is
-    the slowest copy's step, throughput the sum of the copies' ``share / step``.
+    the slowest copy's step, throughput the sum of the copies' ``share / step`` (with
+    ``prompt_len`` and ``new_tokens``: of their served requests).
     """
     batch, context_len = check_load(batch, context_len)
+    prompt_len, new_tokens = check_requests(prompt_len, new_tokens)
     shares = [batch // len(replicas) + (i < batch % len(replicas)) for i in range(len(replicas))]
     shares = [s for s in shares if s] or [1]
-    latency, throughput, memory, capacity = 0.0, 0.0, {}, {}
+    latency, throughput, decode, memory, capacity = 0.0, 0.0, 0.0, {}, {}
     slowest, name = 0.0, ""
     for dev, share in zip(replicas, shares):
         d = topology.index(dev)
         step = sum(topology.stage_s(s, d, share, context_len) for s in chain)
-        throughput += share / step if step > 0 else math.inf
+        decode += share / step if step > 0 else math.inf
+        prefill = sum(topology.prefill_s(s, d, prompt_len) for s in chain) if prompt_len else 0
+        throughput += serving_rate(share, new_tokens, {dev: step}, {dev: prefill}) \
+            if prompt_len else share / step if step > 0 else math.inf
         if step >= slowest:
             slowest, name = step, f"compute on {short_device(dev)}"
         latency = max(latency, step)
@@ -371,4 +455,7 @@ def predict_replicated(chain, replicas, topology: Topology, batch: int = 1,
         memory[dev], capacity[dev] = 0, float(topology.memory[topology.index(dev)])
     first = topology.index(replicas[0])
     stage_s = {s.name: topology.stage_s(s, first, shares[0], context_len) for s in chain}
-    return Prediction(latency, throughput, 0.0, memory, capacity, name, slowest, stage_s)
+    prefill_s = {s.name: topology.prefill_s(s, first, prompt_len) for s in chain} \
+        if prompt_len else {}
+    return Prediction(latency, throughput, 0.0, memory, capacity, name, slowest, stage_s,
+                      decode, prompt_len, new_tokens, prefill_s)

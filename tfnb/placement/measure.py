@@ -290,11 +290,12 @@ def _cluster_key(cluster, devices) -> tuple:
 
 
 def calibrate(model, cluster, topology: Topology | None = None, *, batch: int = 1,
-              context_len: int = 1024, refresh: bool = False) -> dict:
+              context_len: int = 1024, prompt_len: int = 0, refresh: bool = False) -> dict:
     """``{(stage, device): seconds per decode step}`` for every stage of ``model`` on every
     device of ``cluster``, timed on each device; devices of one class whose times are alike
-    (within ``ALIKE``) share the mean of their figures (cached per cluster, model, batch and
-    cache size).
+    (within ``ALIKE``) share the mean of their figures (cached per cluster, model, batch, cache
+    size and prompt). With ``prompt_len``: seconds per prefill of ``batch`` prompts of that many
+    tokens instead (a few calls each: a prefill is about as long as a decode loop).
 
     Examples
     --------
@@ -309,13 +310,18 @@ def calibrate(model, cluster, topology: Topology | None = None, *, batch: int = 
     config = model.config
     topology = topology or measure_topology(cluster)
     slots = bucket(max(1, context_len), 64, maximum=max(64, config.max_context))
+    if prompt_len:  # padded as the runtime pads a prompt (tfnb.runtime.scheduler.Ticket)
+        prompt_len = bucket(prompt_len, 16)
+        slots = max(slots, bucket(prompt_len, 64, maximum=max(64, config.max_context)))
     weights = getattr(model, "weights", None)
     kinds = tuple(sorted({getattr(w, "qtype", -1) for w in (weights or {}).values()}))
     key = ("stages", _cluster_key(cluster, topology.devices), getattr(model, "name", None),
-           repr(config), kinds, batch, slots)
+           repr(config), kinds, batch, slots, prompt_len)
     if refresh or key not in _CACHE:
+        calls = {"steps": 3, "repeats": 5} if prompt_len else {}
         _CACHE[key] = stage_table(time_stages(config, topology.devices, batch=batch, slots=slots,
-                                              like=weights), topology, config.n_layers)
+                                              like=weights, prompt=prompt_len, **calls),
+                                  topology, config.n_layers)
     return _CACHE[key]
 
 

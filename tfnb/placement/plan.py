@@ -123,8 +123,10 @@ class Plan:
     @classmethod
     def from_assignment(cls, chain, assignment: dict, topology: Topology, batch: int = 1,
                         context_len: int | None = None, mode: str = MANUAL,
-                        objective: str = "latency", replicas=(), planner_s: float = 0.0) -> "Plan":
-        """A validated plan for ``assignment`` with its predicted figures.
+                        objective: str = "latency", replicas=(), planner_s: float = 0.0,
+                        prompt_len: int = 0, new_tokens: int = 0) -> "Plan":
+        """A validated plan for ``assignment`` with its predicted figures (for requests of
+        ``prompt_len`` and ``new_tokens`` tokens when given: :func:`~tfnb.placement.cost.predict`).
 
         Examples
         --------
@@ -138,8 +140,9 @@ class Plan:
         assignment = {s: assignment[s] for s in chain.names} if isinstance(assignment, dict) \
             and set(assignment) == set(chain.names) else assignment
         check_assignment(chain, assignment, topology.devices)
-        pred = predict_replicated(chain, list(replicas), topology, batch, context_len) \
-            if replicas else predict(chain, assignment, topology, batch, context_len)
+        load = (batch, context_len, prompt_len, new_tokens)
+        pred = predict_replicated(chain, list(replicas), topology, *load) \
+            if replicas else predict(chain, assignment, topology, *load)
         plan = cls(assignment, mode, objective, batch, context_len, tuple(replicas), pred,
                    planner_s)
         plan._check_memory(pred)
@@ -332,7 +335,8 @@ class Plan:
         if p is None:
             return head
         return head + (f"\npredicted: {p.latency_s * 1e3:.4g} ms/token latency, "
-                       f"{p.throughput:.4g} tokens/s pipelined, {p.bytes_per_token:,.0f} B/token "
+                       f"{p.throughput:.4g} tokens/s {p.rate_words()}, "
+                       f"{p.bytes_per_token:,.0f} B/token "
                        f"crossing devices; bottleneck: {p.bottleneck}")
 
     _HEADER = ("device", "stages", "device memory used / cap (MB)")

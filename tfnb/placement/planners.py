@@ -28,7 +28,7 @@ import warnings
 
 from tfnb.errors import PlacementError
 from tfnb.names import OBJECTIVES, PLANNERS, format_bytes, short_device
-from tfnb.placement.cost import Topology, check_load, predict, stage_memory
+from tfnb.placement.cost import Topology, check_load, check_requests, predict, stage_memory
 from tfnb.placement import measure
 from tfnb.placement.optimal import TooLarge, exact_is_feasible, optimal_segments
 from tfnb.placement.plan import Plan
@@ -48,13 +48,13 @@ def _chain(model_or_chain):
 
 
 def as_topology(cluster_or_topology, model=None, batch: int = 1,
-                context_len: int | None = None) -> Topology:
+                context_len: int | None = None, prompt_len: int = 0) -> Topology:
     """A ``Topology`` from a Topology, a connected ``Cluster`` (measured, cached) or devices.
 
     With a cluster and a placeable llama ``model`` (``tfnb.load_model``, ``tiny("llama")``), the
     topology also carries the stage times measured on the cluster for ``batch`` and
     ``context_len`` (:func:`tfnb.placement.measure.calibrate`), which replace the FLOP-based
-    estimate. A list of device strings gives a topology with unlimited memory, equal speeds and
+    estimate, and with ``prompt_len`` the times of one prompt's prefill. A list of device strings gives a topology with unlimited memory, equal speeds and
     equal links (placement then only balances the chain).
 
     Examples
@@ -70,6 +70,10 @@ def as_topology(cluster_or_topology, model=None, batch: int = 1,
             batch, context_len = check_load(batch, context_len)
             topo = topo.with_stage_times(measure.calibrate(model, cluster_or_topology, topo,
                                                            batch=batch, context_len=context_len))
+            if prompt_len:
+                topo = topo.with_prefill_times(measure.calibrate(
+                    model, cluster_or_topology, topo, context_len=context_len,
+                    prompt_len=prompt_len))
         return topo
     if isinstance(cluster_or_topology, (list, tuple, str)):
         return Topology(cluster_or_topology)
@@ -234,7 +238,7 @@ def optimal_assignment(chain, topo: Topology, batch: int = 1, context_len: int =
 
 def plan(model_or_chain, cluster_or_topology, mode: str = "optimal", objective: str = "latency",
          batch: int = 1, context_len: int | None = None, max_memory: dict | None = None,
-         calibrate: bool = True) -> Plan:
+         calibrate: bool = True, prompt_len: int = 0, new_tokens: int = 0) -> Plan:
     """Choose devices for every stage of a model and predict what it costs.
 
     Parameters
@@ -249,6 +253,10 @@ def plan(model_or_chain, cluster_or_topology, mode: str = "optimal", objective: 
     max_memory : ``{device: bytes or "512MB"}``, or one cap for every device, replacing the measured caps
     calibrate : with a cluster and a llama model, time its stages on the cluster's devices
         (once per cluster, model and load; cached) instead of estimating them from FLOPs
+    prompt_len, new_tokens : the requests a served model gets (both or neither): the
+        prediction's ``throughput`` then counts each request's prefill (timed too when
+        calibrating) beside its ``new_tokens`` decode steps; the stages are still chosen by
+        the decode step
 
     Examples
     --------
@@ -264,8 +272,12 @@ def plan(model_or_chain, cluster_or_topology, mode: str = "optimal", objective: 
         raise PlacementError(f"objective={objective!r}: expected one of {list(OBJECTIVES)}")
     chain = _chain(model_or_chain)
     batch, context_len = check_load(batch, context_len)
-    topo = as_topology(cluster_or_topology, model_or_chain if calibrate else None, batch,
-                       context_len).with_max_memory(max_memory)
+    prompt_len, new_tokens = check_requests(prompt_len, new_tokens)
+    # a replicated plan splits the batch over the copies: each copy's steps run at its share
+    devices = getattr(cluster_or_topology, "devices", None) or [None]
+    share = math.ceil(batch / len(devices)) if mode == "replicate" else batch
+    topo = as_topology(cluster_or_topology, model_or_chain if calibrate else None, share,
+                       context_len, prompt_len).with_max_memory(max_memory)
     start = time.perf_counter()
     replicas = ()
     if mode == "replicate":
@@ -281,4 +293,4 @@ def plan(model_or_chain, cluster_or_topology, mode: str = "optimal", objective: 
             assignment = optimal_assignment(chain, topo, batch, context_len, objective)
     took = time.perf_counter() - start
     return Plan.from_assignment(chain, assignment, topo, batch, context_len, mode, objective,
-                                replicas, took)
+                                replicas, took, prompt_len, new_tokens)

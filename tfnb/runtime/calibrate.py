@@ -27,6 +27,10 @@ measure a device's speed. So ``time_stages`` runs the runtime's compiled decode 
 
 The caches have ``slots`` slots (decode attends over all of them, masked), as in a generate
 call whose prompt and new tokens fit ``slots``.
+
+With ``prompt=P`` the loops run each segment's prefill of ``batch`` prompts of ``P`` tokens
+instead (seconds per call): what a request costs before its first token, which a served
+model pays once per request between its decode steps.
 """
 
 from __future__ import annotations
@@ -42,7 +46,8 @@ from tfnb.models.chain import Segment, llama_chain, stage_names
 from tfnb.models.llama import random_weights
 from tfnb.models.packed import PackedTensor, packed_like
 from tfnb.runtime.faults import call_with_deadline
-from tfnb.runtime.graphs import HeadIn, client_cpu, pack_ctl, segment_functions
+from tfnb.runtime.graphs import (HeadIn, client_cpu, pack_ctl, pack_prefill_ctl,
+                                 segment_functions)
 from tfnb.runtime.weights import kv_caches, segment_params
 
 __all__ = ["time_stages", "stage_timer", "CALIBRATION_TIMEOUT_S"]
@@ -50,8 +55,9 @@ __all__ = ["time_stages", "stage_timer", "CALIBRATION_TIMEOUT_S"]
 CALIBRATION_TIMEOUT_S = 600.0  # the longest a calibration may take (it compiles per device)
 
 
-def _loops(small, weights, device: str, batch: int, slots: int) -> dict:
-    """``{kind: loop}`` for the embedding, ``small``'s blocks and the head, on ``device``."""
+def _loops(small, weights, device: str, batch: int, slots: int, prompt: int = 0) -> dict:
+    """``{kind: loop}`` for the embedding, ``small``'s blocks and the head, on ``device``
+    (their decode steps, or with ``prompt`` their prefills of that many tokens)."""
     names = stage_names(small.n_layers)
     whole = segment_params(small, weights, Segment(device, tuple(names)), head_device=device)
     blocks = Segment(device, tuple(names[1:-1]))
@@ -65,9 +71,12 @@ def _loops(small, weights, device: str, batch: int, slots: int) -> dict:
                  {"blocks": [], "final_norm": whole["final_norm"], "out_DxV": whole["out_DxV"]},
                  []),
     }
-    return {kind: timed_loop(segment_functions(seg, p, c, small, eos, 0).decode, device, kind,
-                             small, batch)
-            for kind, (seg, p, c) in parts.items()}
+    out = {}
+    for kind, (seg, p, c) in parts.items():
+        fns = segment_functions(seg, p, c, small, eos, 0)
+        out[kind] = timed_loop(fns.prefill if prompt else fns.decode, device, kind, small, batch,
+                               prompt)
+    return out
 
 
 def _per_step(loops: dict, steps: int, repeats: int) -> dict:
@@ -88,28 +97,37 @@ def _per_step(loops: dict, steps: int, repeats: int) -> dict:
             for name, t in took.items()}
 
 
-def timed_loop(decode, device: str, kind: str, config, batch: int):
-    """``f(n)``: ``decode`` (a segment's decode function) run ``n`` times on ``device`` in a
-    graph loop."""
+def timed_loop(fn, device: str, kind: str, config, batch: int, prompt: int = 0):
+    """``f(n)``: ``fn`` (a segment's decode function, or with ``prompt`` its prefill of that
+    many tokens) run ``n`` times on ``device`` in a graph loop."""
     D = config.hidden_size
 
     @tf.function
     def loop(n):
         with tf.device(device):
-            x = tf.zeros([batch, 1, D])
+            x = tf.zeros([batch, max(1, prompt), D])
             tok = tf.zeros([batch], tf.int32)
             pad = tf.zeros([batch], tf.int32)
             head_in = tuple(HeadIn.greedy(batch))
 
             def body(i, x, tok):
                 with tf.device(device):
+                    if prompt:  # the same slots every time: a prefill's cost does not move
+                        ctl = pack_prefill_ctl(0, 0, pad)
+                        if kind == "embed":
+                            ids = tf.zeros([batch, prompt], tf.int32) + tok[:, None]
+                            return i + 1, fn(ids, ctl, None, None), tok
+                        if kind == "head":
+                            tok, _ = fn(x, ctl, "greedy", head_in)
+                            return i + 1, x, tok
+                        return i + 1, fn(x, ctl, None, None), tok
                     if kind == "embed":
-                        return i + 1, decode(None, pack_ctl(1 + i, pad, tok), None, None), tok
+                        return i + 1, fn(None, pack_ctl(1 + i, pad, tok), None, None), tok
                     ctl = pack_ctl(1 + i, pad)
                     if kind == "head":
-                        tok, _ = decode(x, ctl, "greedy", head_in)
+                        tok, _ = fn(x, ctl, "greedy", head_in)
                         return i + 1, x, tok
-                    return i + 1, decode(x, ctl, None, None), tok
+                    return i + 1, fn(x, ctl, None, None), tok
 
             _, x, tok = tf.while_loop(lambda i, x, tok: i < n, body, (tf.constant(0), x, tok))
             return tf.reduce_sum(x) + tf.cast(tf.reduce_sum(tok), tf.float32)
@@ -124,11 +142,13 @@ def timed_loop(decode, device: str, kind: str, config, batch: int):
 
 
 def stage_timer(config, devices, *, batch: int = 1, slots: int = 128,
-                stream_bytes: float = 128e6, seed: int = 0, like: dict | None = None):
+                stream_bytes: float = 128e6, seed: int = 0, like: dict | None = None,
+                prompt: int = 0):
     """Build the timed loops once; ``timer(steps, repeats)`` then gives what
     :func:`time_stages` gives, as often as needed (a benchmark times the stages between its
     own calls with it, so both see the machine in the same state). ``like``: the model's
-    weights, whose packed tensors' types the random weights take."""
+    weights, whose packed tensors' types the random weights take; ``prompt``: time prefills
+    of that many tokens."""
     packed = bool(like) and any(isinstance(w, PackedTensor) for w in like.values())
     block_bytes = llama_chain(config, like if packed else None)["block.0"].param_bytes
     k = max(1, min(config.n_layers, math.ceil(stream_bytes / block_bytes)))
@@ -139,7 +159,7 @@ def stage_timer(config, devices, *, batch: int = 1, slots: int = 128,
     # bounded like every call on the cluster: a silent worker fails calibration in seconds
     loops = call_with_deadline(
         lambda: {(dev, kind): loop for dev in devices
-                 for kind, loop in _loops(small, weights, dev, batch, slots).items()},
+                 for kind, loop in _loops(small, weights, dev, batch, slots, prompt).items()},
         (), timeout=CALIBRATION_TIMEOUT_S, devices=devices, what="calibration (weights)")
 
     def timer(steps: int = 32, repeats: int = 9) -> dict:
@@ -153,9 +173,10 @@ def stage_timer(config, devices, *, batch: int = 1, slots: int = 128,
 
 def time_stages(config, devices, *, batch: int = 1, slots: int = 128, steps: int = 32,
                 repeats: int = 9, stream_bytes: float = 128e6, seed: int = 0,
-                like: dict | None = None) -> dict:
+                like: dict | None = None, prompt: int = 0) -> dict:
     """``{device: {"embed": s, "block": s, "head": s}}``: seconds per decode step of the
-    embedding, one block and the head on each of ``devices``.
+    embedding, one block and the head on each of ``devices`` (with ``prompt``: seconds per
+    prefill of ``batch`` prompts of ``prompt`` tokens).
 
     The devices' timed calls alternate, so their samples spread over the whole calibration
     and a slow spell of the machine falls on a few samples of each, which the median skips.
@@ -168,6 +189,7 @@ def time_stages(config, devices, *, batch: int = 1, slots: int = 128, steps: int
     steps, repeats : decode steps per timed call, and timed calls (the median counts)
     stream_bytes : the consecutive blocks timed together hold at least this many weight bytes
     like : the model's weights: its packed tensors' ggml types are timed (default: float32)
+    prompt : time prefills of prompts this long instead of decode steps (``slots`` >= it)
 
     Examples
     --------
@@ -176,5 +198,7 @@ def time_stages(config, devices, *, batch: int = 1, slots: int = 128, steps: int
     >>> sorted(t["/device:CPU:0"]), all(v >= 0 for v in t["/device:CPU:0"].values())
     (['block', 'embed', 'head'], True)
     """
+    if prompt and not 0 < prompt <= slots:
+        raise ValueError(f"prompt={prompt!r}: expected 1 to slots ({slots}) tokens")
     return stage_timer(config, devices, batch=batch, slots=slots, stream_bytes=stream_bytes,
-                       seed=seed, like=like)(steps, repeats)
+                       seed=seed, like=like, prompt=prompt)(steps, repeats)

@@ -206,7 +206,7 @@ def figures_html(prediction, applied=None) -> str:
     """
     p = prediction
     line = (f"predicted <b>{p.latency_s * 1e3:.3g} ms/token</b> latency, "
-            f"<b>{p.throughput:.4g} tokens/s</b> pipelined, "
+            f"<b>{p.throughput:.4g} tokens/s</b> {html.escape(p.rate_words())}, "
             f"<b>{format_bytes(p.bytes_per_token)}/token</b> across devices; "
             f"bottleneck: {html.escape(p.bottleneck)}")
     if applied is not None and applied.prediction is not None:
