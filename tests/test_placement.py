@@ -498,3 +498,19 @@ def test_plan_times_the_prefill_of_a_served_prompt(cluster):
     assert p.prediction.prefill_s == {s: topo.prefill_times[(s, d)]
                                       for s, d in p.assignment.items()}
     assert 0 < p.prediction.throughput < p.prediction.decode_throughput
+
+
+def test_a_prompt_calibration_times_the_prefill_not_a_decode_step():
+    """``time_stages(prompt=P)`` runs each segment's prefill of P tokens: a block with wide
+    matrices takes far longer for 256 prompt tokens than for one decode step."""
+    from tfnb.models.llama import tiny_config
+    from tfnb.runtime.calibrate import time_stages
+
+    cfg = tiny_config(hidden_size=256, ffn_size=1024, n_layers=1, n_heads=4, n_kv_heads=2)
+    dev = "/device:CPU:0"
+    kw = dict(slots=256, steps=2, repeats=3, stream_bytes=0)
+    step = time_stages(cfg, [dev], **kw)[dev]["block"]
+    prefill = time_stages(cfg, [dev], prompt=256, **kw)[dev]["block"]
+    assert prefill > 5 * step, (prefill, step)
+    with pytest.raises(ValueError, match="prompt=300"):
+        time_stages(cfg, [dev], prompt=300, **kw)
