@@ -40,8 +40,8 @@ import numpy as np
 from tfnb.errors import PlacementError
 from tfnb.names import format_bytes, short_device
 
-__all__ = ["Topology", "Prediction", "predict", "serving_rate", "parse_bytes", "short_device", "TOKEN_BYTES",
-           "DEFAULT_CONTEXT_LEN"]
+__all__ = ["Topology", "Prediction", "predict", "serving_rate", "parse_bytes", "short_device",
+           "TOKEN_BYTES", "DEFAULT_CONTEXT_LEN"]
 
 TOKEN_BYTES = 4            # one int32 token id per sequence returns from head to embed
 DEFAULT_CONTEXT_LEN = 1024  # context assumed when the caller gives none (KV cache and attention)
@@ -442,10 +442,12 @@ def predict_replicated(chain, replicas, topology: Topology, batch: int = 1,
     for dev, share in zip(replicas, shares):
         d = topology.index(dev)
         step = sum(topology.stage_s(s, d, share, context_len) for s in chain)
-        decode += share / step if step > 0 else math.inf
-        prefill = sum(topology.prefill_s(s, d, prompt_len) for s in chain) if prompt_len else 0
-        throughput += serving_rate(share, new_tokens, {dev: step}, {dev: prefill}) \
-            if prompt_len else share / step if step > 0 else math.inf
+        rate = share / step if step > 0 else math.inf
+        decode += rate
+        if prompt_len:
+            prefill = sum(topology.prefill_s(s, d, prompt_len) for s in chain)
+            rate = serving_rate(share, new_tokens, {dev: step}, {dev: prefill})
+        throughput += rate
         if step >= slowest:
             slowest, name = step, f"compute on {short_device(dev)}"
         latency = max(latency, step)

@@ -54,8 +54,9 @@ def as_topology(cluster_or_topology, model=None, batch: int = 1,
     With a cluster and a placeable llama ``model`` (``tfnb.load_model``, ``tiny("llama")``), the
     topology also carries the stage times measured on the cluster for ``batch`` and
     ``context_len`` (:func:`tfnb.placement.measure.calibrate`), which replace the FLOP-based
-    estimate, and with ``prompt_len`` the times of one prompt's prefill. A list of device strings gives a topology with unlimited memory, equal speeds and
-    equal links (placement then only balances the chain).
+    estimate, and with ``prompt_len`` the times of one prompt's prefill. A list of device
+    strings gives a topology with unlimited memory, equal speeds and equal links (placement then
+    only balances the chain).
 
     Examples
     --------

@@ -114,20 +114,15 @@ def timed_loop(fn, device: str, kind: str, config, batch: int, prompt: int = 0):
                 with tf.device(device):
                     if prompt:  # the same slots every time: a prefill's cost does not move
                         ctl = pack_prefill_ctl(0, 0, pad)
-                        if kind == "embed":
-                            ids = tf.zeros([batch, prompt], tf.int32) + tok[:, None]
-                            return i + 1, fn(ids, ctl, None, None), tok
-                        if kind == "head":
-                            tok, _ = fn(x, ctl, "greedy", head_in)
-                            return i + 1, x, tok
-                        return i + 1, fn(x, ctl, None, None), tok
-                    if kind == "embed":
-                        return i + 1, fn(None, pack_ctl(1 + i, pad, tok), None, None), tok
-                    ctl = pack_ctl(1 + i, pad)
+                        seg_x = tf.zeros([batch, prompt], tf.int32) + tok[:, None] \
+                            if kind == "embed" else x
+                    else:
+                        ctl = pack_ctl(1 + i, pad, tok if kind == "embed" else None)
+                        seg_x = None if kind == "embed" else x
                     if kind == "head":
                         tok, _ = fn(x, ctl, "greedy", head_in)
                         return i + 1, x, tok
-                    return i + 1, fn(x, ctl, None, None), tok
+                    return i + 1, fn(seg_x, ctl, None, None), tok
 
             _, x, tok = tf.while_loop(lambda i, x, tok: i < n, body, (tf.constant(0), x, tok))
             return tf.reduce_sum(x) + tf.cast(tf.reduce_sum(tok), tf.float32)
