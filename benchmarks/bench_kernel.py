@@ -39,6 +39,8 @@ import numpy as np  # noqa: E402
 
 from _results import RESULTS, write_results  # noqa: E402
 
+from tfnb.bench import machine  # noqa: E402
+
 LAYERS = 30
 SHAPES = {  # name -> (rows out M, columns in C, how many per step)
     "qkv": (960, 576, LAYERS),
@@ -211,6 +213,7 @@ def markdown(qtype_name: str, shapes: list[dict], model: list[dict], cpu: int,
              f"`benchmarks/bench_kernel.py`, TF {tf.__version__}, pinned to CPU {cpu}, one "
              "intra-op thread. Medians of interleaved calls; CPU ms of the process (wall ms "
              "in the JSON). The machine is shared: compare within a table.", "",
+             f"Machine: {machine()}.", "",
              "## Full-model equivalent (one XLA function: 30 blocks x 4 matmuls + head)", "",
              "| N | float32 ms/step | int8 ms/step | speedup | float32 wall | int8 wall |",
              "|---|---|---|---|---|---|"]
@@ -219,10 +222,8 @@ def markdown(qtype_name: str, shapes: list[dict], model: list[dict], cpu: int,
         lines.append(f"| {r['N']} | {f['cpu_ms']:.1f} | {i['cpu_ms']:.1f} | "
                      f"{f['cpu_ms'] / i['cpu_ms']:.2f}x | {f['wall_ms']:.1f} | "
                      f"{i['wall_ms']:.1f} |")
-    lines += ["", "Before the float32 route grouped a call's last 1 to 3 rows (it decoded each "
-              "weight row once per row there), it took 42.1 ms at N=2 in the same setting "
-              "(2026-12-01; int8 20.5 ms). This CPU has AVX2 but no AVX-512 or AVX-VNNI, so "
-              "only the AVX2 int8 code is measured."]
+    lines += ["", "The int8 route has AVX2 code only; `--isa avx2` keeps the float32 route on "
+              "its AVX2 code too (written to kernel_avx2.md), to compare with AVX-512."]
     if logits:
         lines += ["", "## Accuracy: SmolLM2-135M (Q4_1) prompt logits, int8 vs float32 route", "",
                   "| prompt | tokens | max err / ptp | rms err / std | argmax agree | next "
@@ -262,7 +263,11 @@ def main(argv=None) -> None:
     ap.add_argument("--smollm2", action="store_true",
                     help="also compare SmolLM2's prompt logits between the routes (one worker)")
     ap.add_argument("--out", default=RESULTS, help="directory for kernel.md / kernel.json")
+    ap.add_argument("--isa", choices=["avx2", "portable"],
+                    help="cap the kernels' code ($TFNB_PACKED_ISA) below the CPU's best")
     args = ap.parse_args(argv)
+    if args.isa:
+        os.environ["TFNB_PACKED_ISA"] = args.isa
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {args.cpu})
     import tensorflow as tf
@@ -274,7 +279,8 @@ def main(argv=None) -> None:
     model = bench_model(args.qtype, args.repeat, rng)
     logits = bench_smollm2_logits() if args.smollm2 else None
     md = markdown(args.qtype, shapes, model, args.cpu, logits)
-    name = "kernel" if args.qtype == "Q4_1" else f"kernel_{args.qtype}"
+    name = "kernel" + ("" if args.qtype == "Q4_1" else f"_{args.qtype}") + (
+        f"_{args.isa}" if args.isa else "")
     write_results(name, md, {"qtype": args.qtype, "shapes": shapes, "model": model,
                              "smollm2_logits": logits}, args.out)
     print(md)

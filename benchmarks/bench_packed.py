@@ -253,6 +253,7 @@ def main() -> None:
 
     import tfnb
     from benchmarks._results import write_results
+    from tfnb.bench import machine
     from tfnb.cluster.security import ExposedServerWarning
     from tfnb.models.model import smollm2_path
 
@@ -276,7 +277,7 @@ def main() -> None:
         rows += bench_at_scale(args.new, args.repeat, args.scale_float32)
     md = (f"# Packed weights: SmolLM2-135M Q4_1, greedy, {args.new} new tokens\n\n"
           f"{time.strftime('%Y-%m-%d %H:%M')}; best of {args.repeat} calls after a compiling "
-          "one; 2-core machine.\n\n" + table(rows) + "\n")
+          f"one; {machine()}.\n\n" + table(rows) + "\n")
     write_results("packed", md, {"new": args.new, "rows": rows})
     print(md)
 

@@ -227,6 +227,7 @@ def main() -> None:
 
     import tfnb
     from benchmarks._results import write_results
+    from tfnb.bench import machine
     from tfnb.cluster.security import ExposedServerWarning
     from tfnb.models.model import smollm2_path
 
@@ -243,7 +244,8 @@ def main() -> None:
     if "llama.cpp" not in args.skip:
         results.update(bench_llama_cpp(smollm2_path(), text, args.requests, args.new))
     md = (f"# Concurrent requests: SmolLM2-135M (Q4_1 GGUF), greedy, {args.new} new tokens\n\n"
-          f"{time.strftime('%Y-%m-%d %H:%M')}; {args.requests} requests per client per round; "
+          f"{time.strftime('%Y-%m-%d %H:%M')}; {machine()}; "
+          f"{args.requests} requests per client per round; "
           "aggregate tokens/s (p50 / p95 latency, s). Every computing process pinned to one "
           "core, HF XLA on 2 cores.\n\n" + table(results) + "\n\n" + summary(results) + "\n")
     write_results("serving", md, {"new": args.new, "requests": args.requests, **results})

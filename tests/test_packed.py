@@ -34,11 +34,13 @@ def packed_rows(w_MxC, name):
 
 @pytest.mark.parametrize("name", TYPES)
 @pytest.mark.parametrize("M,C,N", [(1, 32, 1), (7, 96, 3), (33, 576, 9), (5, 1536, 4),
-                                   (6, 64, 5), (9, 64, 6), (3, 160, 8), (10, 96, 17)])
+                                   (6, 64, 5), (9, 64, 6), (3, 160, 8), (10, 96, 17),
+                                   (4, 96, 2), (5, 160, 7), (3, 224, 1), (2, 40 * 32, 8)])
 def test_packed_matmul_matches_gguf_dequantize(name, M, C, N):
-    """Odd row counts, one-block and many-block rows; up to 5 activation rows at once in
-    registers, more in tiles of 4 weight rows x 3 activation rows (and their 1 to 3 row
-    remainders)."""
+    """Odd row counts, one-block and many-block rows, odd and even block counts; on AVX2 up
+    to 5 activation rows at once in registers, more in tiles of 4 weight rows x 3 activation
+    rows (and their 1 to 3 row remainders); on AVX-512 up to 8 in registers (one row takes
+    two blocks a step, so an odd block count leaves one over)."""
     import tensorflow as tf
 
     rng = np.random.default_rng(M * C + N)
@@ -140,40 +142,51 @@ for k in data.files:
         for route in kernels.ACTIVATIONS:
             out[f"{name}_{n}_{route}"] = kernels.packed_matmul(
                 x, data[k], kernels.QTYPES[name], x.shape[1], route).numpy()
-np.savez(sys.argv[2], **out)
+np.savez(sys.argv[2], isa=kernels.isa(), **out)
 """
 
 
-def test_portable_code_agrees_with_the_simd_code(tmp_path):
-    """``$TFNB_PACKED_PORTABLE=1`` runs the C++ fallback that CPUs without AVX2 get: the same
-    rounding of the activations, so both routes agree with this machine's up to summation."""
+def test_portable_and_avx2_code_agree_with_this_cpus_best(tmp_path):
+    """``$TFNB_PACKED_PORTABLE=1`` runs the C++ fallback that CPUs without AVX2 get, and
+    ``$TFNB_PACKED_ISA=avx2`` the AVX2 code that CPUs without AVX-512 get: the same rounding of
+    the activations, so every route of each agrees with this machine's best up to summation."""
     rng = np.random.default_rng(5)
     arrays, refs = {}, {}
-    for i, (M, C, N) in enumerate([(7, 96, 3), (11, 576, 9)]):
+    for i, (M, C, N) in enumerate([(7, 96, 3), (11, 576, 9), (6, 160, 2), (5, 96, 8)]):
         arrays[f"x_{i}"] = rng.standard_normal((N, C)).astype(np.float32)
         arrays[f"x_{i}"][0, 50] = np.nan  # row 0: NaN on both routes, both codes
         for name in ["F16", "Q4_0", "Q4_1", "Q8_0"]:
             arrays[f"w_{name}_{i}"], refs[f"{name}_{i}"] = packed_rows(
                 rng.standard_normal((M, C)).astype(np.float32), name)
     np.savez(tmp_path / "in.npz", **arrays)
-    outs = {}
-    for env in ("portable", "simd"):
-        extra = {"TFNB_PACKED_PORTABLE": "1"} if env == "portable" else {}
-        environ = {k: v for k, v in os.environ.items() if k != "TFNB_PACKED_PORTABLE"}
+    outs, isas = {}, {}
+    envs = {"portable": {"TFNB_PACKED_PORTABLE": "1"}, "avx2": {"TFNB_PACKED_ISA": "avx2"},
+            "best": {}}
+    for env, extra in envs.items():
+        environ = {k: v for k, v in os.environ.items() if not k.startswith("TFNB_PACKED_")}
         subprocess.run([sys.executable, "-c", _PORTABLE, str(tmp_path / "in.npz"),
                         str(tmp_path / f"{env}.npz")], check=True, timeout=300,
                        env={**environ, **extra, "TF_CPP_MIN_LOG_LEVEL": "3"})
         outs[env] = np.load(tmp_path / f"{env}.npz")
-    for key in outs["simd"].files:
+        isas[env] = str(outs[env]["isa"])
+    assert isas["portable"] == "portable"
+    assert isas["avx2"] in ("avx2", "portable")  # portable on a CPU without AVX2
+    assert isas["best"] == kernels.isa()
+    for key in outs["best"].files:
+        if key == "isa":
+            continue
         name, i, route = key.rsplit("_", 2)
         x = arrays[f"x_{i}"]
         ref = refs[f"{name}_{i}"]
         tol = 1e-6 * np.sqrt(x.shape[1]) * np.abs(ref).max() * np.nanmax(np.abs(x))
-        np.testing.assert_allclose(outs["portable"][key], outs["simd"][key], atol=tol, rtol=0)
-        assert np.isnan(outs["portable"][key][0]).all()
+        for env in ("portable", "avx2"):
+            np.testing.assert_allclose(outs[env][key], outs["best"][key], atol=tol, rtol=0)
+            assert np.isnan(outs[env][key][0]).all()
+        assert np.isnan(outs["best"][key][0]).all()
         x = x[1:]
         xin = q8_activations(x)[0] if route == "int8" and name != "F16" else x
-        np.testing.assert_allclose(outs["portable"][key][1:], xin @ ref.T, atol=tol, rtol=0)
+        for env in envs:
+            np.testing.assert_allclose(outs[env][key][1:], xin @ ref.T, atol=tol, rtol=0)
 
 
 @pytest.mark.parametrize("name", ["Q4_1", "Q8_0"])

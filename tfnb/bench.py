@@ -123,11 +123,19 @@ def machine() -> str:
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
+            info = dict(ln.split(":", 1) for ln in f.read().split("\n\n")[0].splitlines()
+                        if ":" in ln)
+        info = {k.strip(): v.strip() for k, v in info.items()}
+        cpu = f"{info['model name']}, family {info.get('cpu family', '?')}"
+    except (OSError, KeyError):
         pass
+    try:  # which code the packed matmuls run: the figures depend on it
+        from tfnb import kernels
+        isa = f", packed kernels {kernels.isa()}"
+    except Exception:  # noqa: BLE001 - no compiler: the float32 path still measures
+        isa = ""
     return (f"{os.cpu_count()} cores ({cpu}), {psutil.virtual_memory().total / 2**30:.0f} GiB RAM, "
-            f"no GPU, Python {platform.python_version()}")
+            f"no GPU, Python {platform.python_version()}{isa}")
 
 
 def to_markdown(rows: list[dict], base: str = "hf-xla") -> str:

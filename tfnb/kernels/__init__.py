@@ -27,7 +27,7 @@ import tempfile
 import threading
 
 __all__ = ["QTYPES", "row_bytes", "library", "build", "packed_matmul", "packed_dequantize",
-           "OP_NAMES", "ACTIVATIONS", "KernelBuildError"]
+           "isa", "OP_NAMES", "ACTIVATIONS", "KernelBuildError"]
 
 # ggml type ids the kernels read, by GGUF name
 QTYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
@@ -36,6 +36,7 @@ _BLOCK_BYTES = {2: 18, 3: 20, 8: 34}   # bytes per block of 32 values
 _SOURCE = os.path.join(os.path.dirname(__file__), "packed.cc")
 _lock = threading.Lock()
 _loaded = None
+_isa = None
 
 
 class KernelBuildError(RuntimeError):
@@ -113,11 +114,29 @@ def library():
             import ctypes
 
             import tensorflow as tf
+            global _isa
             path = build()
             library = tf.load_op_library(path)
-            ctypes.CDLL(path).tfnb_register_xla_kernels()  # the same loaded copy; see packed.cc
+            native = ctypes.CDLL(path)  # the same loaded copy; see packed.cc
+            native.tfnb_register_xla_kernels()
+            native.tfnb_packed_isa.restype = ctypes.c_char_p
+            _isa = native.tfnb_packed_isa().decode()
             _loaded = library
         return _loaded
+
+
+def isa() -> str:
+    """The code the float32 route's matmuls run on this CPU: ``"avx512"`` (AVX-512F/BW/VL, up
+    to 8 activation rows in registers), ``"avx2"`` (AVX2, FMA, F16C) or ``"portable"`` C++.
+    ``$TFNB_PACKED_ISA=avx2`` or ``portable``, set before the library loads, caps it.
+
+    Examples
+    --------
+    >>> isa() in ("avx512", "avx2", "portable")
+    True
+    """
+    library()
+    return _isa
 
 
 ACTIVATIONS = ("float32", "int8")

@@ -12,7 +12,8 @@
 // a SmolLM2 step's matmuls ran 1.4x (batch 1) to 2x (batch 2) faster, but the rounding moved
 // its logits by about 4% of their spread and flipped a near-tie greedy token, so it is opt-in
 // (benchmarks/results/kernel.md). Rows are sharded over the process's intra-op threads.
-// AVX2+FMA+F16C code is chosen at run time when the CPU has it; otherwise portable C++ runs.
+// The code is chosen at run time: AVX-512 (F, BW, VL) for up to 8 activation rows on the float
+// route when the CPU has it, AVX2+FMA+F16C for the rest, portable C++ on other CPUs.
 
 #include <atomic>
 #include <cmath>
@@ -222,10 +223,25 @@ TFNB_AVX2 void DotRowAvx2(const uint8_t* row, int64_t cols, const float* x, int6
   }
 }
 
-// $TFNB_PACKED_PORTABLE=1 (read once) runs the portable code on any CPU: tests compare it.
+// $TFNB_PACKED_ISA (read once) caps the code this CPU runs: "avx2" keeps an AVX-512 CPU on
+// the AVX2 code, "portable" (or $TFNB_PACKED_PORTABLE=1) runs the portable code on any CPU.
+// Tests compare each with the best code the CPU has.
+bool IsaCapped(const char* cap) {
+  static const char* isa = std::getenv("TFNB_PACKED_ISA");
+  return isa != nullptr && std::strcmp(isa, cap) == 0;
+}
+
 bool HaveAvx2() {
   static const bool have = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                           __builtin_cpu_supports("f16c") && !std::getenv("TFNB_PACKED_PORTABLE");
+                           __builtin_cpu_supports("f16c") && !std::getenv("TFNB_PACKED_PORTABLE")
+                           && !IsaCapped("portable");
+  return have;
+}
+
+bool HaveAvx512() {
+  static const bool have = HaveAvx2() && __builtin_cpu_supports("avx512f") &&
+                           __builtin_cpu_supports("avx512bw") &&
+                           __builtin_cpu_supports("avx512vl") && !IsaCapped("avx2");
   return have;
 }
 
@@ -315,6 +331,97 @@ void RowsAvx2(const uint8_t* w, int64_t row_bytes, int64_t cols, const float* x,
       case 3: DotRowAvx2<QT, 3>(row, cols, x, cols, out); break;
       case 2: DotRowAvx2<QT, 2>(row, cols, x, cols, out); break;
       case 1: DotRowAvx2<QT, 1>(row, cols, x, cols, out); break;
+    }
+    for (int64_t n = 0; n < N; ++n) y[n * M + m] = out[n];
+  }
+}
+
+// ---- AVX-512: a block is two vectors of 16 ----------------------------------------------
+// The same decode as DecodeBlock (w = q * d + offset, so the weights are bit for bit those of
+// the AVX2 and portable code) in half the instructions: a block of 32 is two zmm vectors, and
+// with 32 registers up to 8 activation rows keep their accumulators in registers. On a Zen 5
+// core, SmolLM2's matmuls (one XLA function, Q4_1): see benchmarks/results/kernel.md.
+#define TFNB_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+
+constexpr int kMaxN512 = 8;
+
+template <int QT>
+TFNB_AVX512 inline void DecodeBlock512(const uint8_t* blk, __m512* w) {
+  const float d = HalfToFloatF16C(blk);
+  const __m512 dv = _mm512_set1_ps(d);
+  if (QT == kQ8_0) {
+    for (int k = 0; k < 2; ++k)
+      w[k] = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 + 16 * k)))));
+  } else {
+    const __m128i bytes =
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (QT == kQ4_1 ? 4 : 2)));
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    const __m512 off = _mm512_set1_ps(QT == kQ4_1 ? HalfToFloatF16C(blk + 2) : -8.f * d);
+    w[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, mask))),
+                           dv, off);
+    w[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                               _mm_and_si128(_mm_srli_epi16(bytes, 4), mask))), dv, off);
+  }
+}
+
+// As DotRowAvx2, for up to kMaxN512 rows; float rows need `cols` a multiple of 16.
+template <int QT, int NN>
+TFNB_AVX512 void DotRowAvx512(const uint8_t* row, int64_t cols, const float* x, float* out) {
+  constexpr int A = NN == 1 ? 4 : 2;  // accumulators per activation row
+  __m512 acc[NN][A];
+  for (int n = 0; n < NN; ++n)
+    for (int a = 0; a < A; ++a) acc[n][a] = _mm512_setzero_ps();
+  if (QT == kF32 || QT == kF16) {
+    for (int64_t j = 0; j < cols; j += 16) {
+      const __m512 w = QT == kF32
+          ? _mm512_loadu_ps(reinterpret_cast<const float*>(row) + j)
+          : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * j)));
+      const int a = static_cast<int>((j / 16) % A);
+      for (int n = 0; n < NN; ++n)
+        acc[n][a] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + n * cols + j), acc[n][a]);
+    }
+  } else {
+    const int64_t nb = cols / kBlock;
+    int64_t b = 0;
+    if (NN == 1) {  // two blocks a step, four chains (an index computed from b would spill acc)
+      for (; b + 2 <= nb; b += 2, row += 2 * BlockBytes<QT>()) {
+        __m512 w[4];
+        DecodeBlock512<QT>(row, w);
+        DecodeBlock512<QT>(row + BlockBytes<QT>(), w + 2);
+        for (int k = 0; k < 4; ++k)
+          acc[0][k % A] = _mm512_fmadd_ps(w[k], _mm512_loadu_ps(x + b * kBlock + 16 * k),
+                                          acc[0][k % A]);
+      }
+    }
+    for (; b < nb; ++b, row += BlockBytes<QT>()) {
+      __m512 w[2];
+      DecodeBlock512<QT>(row, w);
+      for (int n = 0; n < NN; ++n) {
+        const float* xb = x + n * cols + b * kBlock;
+        acc[n][0] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xb), acc[n][0]);
+        acc[n][1] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xb + 16), acc[n][1]);
+      }
+    }
+  }
+  for (int n = 0; n < NN; ++n) {
+    __m512 s = acc[n][0];
+    for (int a = 1; a < A; ++a) s = _mm512_add_ps(s, acc[n][a]);
+    out[n] = _mm512_reduce_add_ps(s);
+  }
+}
+
+template <int QT>
+void RowsAvx512(const uint8_t* w, int64_t row_bytes, int64_t cols, const float* x, int64_t N,
+                float* y, int64_t M, int64_t m0, int64_t m1) {
+  float out[kMaxN512];
+  for (int64_t m = m0; m < m1; ++m) {
+    const uint8_t* row = w + m * row_bytes;
+    switch (N) {
+#define TFNB_CASE(K) case K: DotRowAvx512<QT, K>(row, cols, x, out); break;
+      TFNB_CASE(1) TFNB_CASE(2) TFNB_CASE(3) TFNB_CASE(4)
+      TFNB_CASE(5) TFNB_CASE(6) TFNB_CASE(7) TFNB_CASE(8)
+#undef TFNB_CASE
     }
     for (int64_t n = 0; n < N; ++n) y[n * M + m] = out[n];
   }
@@ -574,6 +681,15 @@ bool TakesInt8(int qtype) { return qtype == kQ4_0 || qtype == kQ4_1 || qtype == 
 void Rows(int qtype, const uint8_t* w, int64_t row_bytes, int64_t cols, const float* x,
           int64_t N, float* y, int64_t M, int64_t m0, int64_t m1) {
 #ifdef TFNB_X86
+  if (HaveAvx512() && N <= kMaxN512 && (TakesInt8(qtype) || cols % 16 == 0)) {
+    switch (qtype) {
+      case kF32: return RowsAvx512<kF32>(w, row_bytes, cols, x, N, y, M, m0, m1);
+      case kF16: return RowsAvx512<kF16>(w, row_bytes, cols, x, N, y, M, m0, m1);
+      case kQ4_0: return RowsAvx512<kQ4_0>(w, row_bytes, cols, x, N, y, M, m0, m1);
+      case kQ4_1: return RowsAvx512<kQ4_1>(w, row_bytes, cols, x, N, y, M, m0, m1);
+      case kQ8_0: return RowsAvx512<kQ8_0>(w, row_bytes, cols, x, N, y, M, m0, m1);
+    }
+  }
   if (HaveAvx2() && cols % 8 == 0) {
     switch (qtype) {
       case kF32: return RowsAvx2<kF32>(w, row_bytes, cols, x, N, y, M, m0, m1);
@@ -836,6 +952,15 @@ REGISTER_XLA_OP(Name("TfnbPackedDequantize").Device(tensorflow::DEVICE_CPU_XLA_J
 // library's ops only after its static initializers): tfnb.kernels calls it right after loading.
 template <typename K>
 tensorflow::OpKernel* Create(OpKernelConstruction* ctx) { return new K(ctx); }
+
+// The code the matmuls run on this CPU: "avx512", "avx2" or "portable" (tfnb.kernels.isa()).
+extern "C" const char* tfnb_packed_isa() {
+#ifdef TFNB_X86
+  if (HaveAvx512()) return "avx512";
+  if (HaveAvx2()) return "avx2";
+#endif
+  return "portable";
+}
 
 extern "C" int tfnb_register_xla_kernels() {
   static const bool done = [] {
