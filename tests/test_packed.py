@@ -377,3 +377,10 @@ def test_a_worker_without_the_packed_ops_gets_one_clear_error(tiny_gguf):
         server.kill()
         server.wait(timeout=10)
         guard.close()
+
+
+def test_kernels_docstring_examples_run():
+    import doctest
+
+    result = doctest.testmod(kernels, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted >= 4

@@ -111,7 +111,8 @@ DEQUANTIZE_ROWS = 1024
 
 # The packed kernel's activations (read when a step is traced, so set it before placing):
 # "float32" keeps results equal to the float32 path up to summation order; "int8" rounds
-# activations to int8 blocks first (``kernels.packed_matmul``): faster, outputs move by ~0.5%.
+# activations to int8 blocks first (``kernels.packed_matmul``): outputs move by ~0.5%; faster
+# than the float route on AVX2 CPUs, no faster where the float route has its AVX-512 code.
 PACKED_ACTIVATIONS = "float32"
 
 # The op wrappers load (and may build) the op library: AutoGraph would try to convert that
