@@ -90,7 +90,7 @@ def row(chain, topo, mode, objective):
     pr = p.prediction
     return {"planner": f"{mode}/{objective}" if mode == "optimal" else mode,
             "devices": len(p.devices), "segments": len(p.segments()),
-            "bottleneck": pr.bottleneck, "latency_ms": pr.latency_s * 1e3,
+            "bottleneck": pr.limit, "latency_ms": pr.latency_s * 1e3,
             "tokens_per_s": pr.throughput, "bytes_per_token": pr.bytes_per_token,
             "planner_ms": took * 1e3}
 
@@ -99,7 +99,9 @@ def markdown(results) -> str:
     lines = [f"# Placement planners (predicted by the cost model; batch {BATCH}, context "
              f"{CONTEXT})", "",
              "Latency: seconds per decode step (one token per sequence). Throughput: "
-             "pipelined steady state, batch / slowest resource.", ""]
+             "pipelined steady state, batch / the longer of the slowest resource's step and "
+             "a lane's round of the devices / lanes (one lane of requests per device; see "
+             "tfnb.placement.cost).", ""]
     for name, rows in results["clusters"].items():
         lines += [f"## {name}", "", "| planner | devices | bottleneck | ms/token | tokens/s | "
                   "B/token crossing | planner ms |", "|---|---|---|---|---|---|---|"]

@@ -85,15 +85,23 @@ def test_optimal_matches_brute_force(objective):
             continue
         assert found == pytest.approx(expected, rel=1e-9), (trial, chain.names, topo)
         got = plan(chain, topo, objective=objective, context_len=16).prediction
-        value = got.latency_s if objective == "latency" else got.bottleneck_s
-        assert value <= expected * (1 + 1e-9)   # the pipeline, or a baseline predicted better
-        for mode in ("memory", "greedy"):
+        # throughput: a batch's share of a step, the busiest resource or the lanes' round
+        value = got.latency_s if objective == "latency" else max(got.bottleneck_s, got.lane_s)
+        search = predict(chain, {chain.names[k]: d for d, i, j in segs for k in range(i, j)},
+                         topo, 1, 16)
+        assert value <= (search.latency_s if objective == "latency" else
+                         max(search.bottleneck_s, search.lane_s)) * (1 + 1e-9)
+        if objective == "latency":
+            assert value <= expected * (1 + 1e-9)   # the pipeline, or a baseline predicted better
+        for mode, how in (("memory", "latency"), ("greedy", "latency"), ("optimal", "latency")):
             try:
-                other = plan(chain, topo, mode=mode, context_len=16).prediction
+                other = plan(chain, topo, mode=mode, objective=how, context_len=16).prediction
             except PlacementError:
                 continue
-            assert value <= (other.latency_s if objective == "latency" else
-                             other.bottleneck_s) * (1 + 1e-9)
+            if objective == "throughput":  # never a slower rate than another planner's plan
+                assert got.decode_throughput >= other.decode_throughput * (1 - 1e-9)
+            elif mode != "optimal":
+                assert value <= other.latency_s * (1 + 1e-9)
         assert not got.over_memory()
         checked += 1
     assert checked >= 25 and infeasible >= 1  # both outcomes were exercised
@@ -480,6 +488,35 @@ def test_served_requests_count_their_prefills():
     for bad in ({"prompt_len": 40}, {"new_tokens": 16}, {"prompt_len": -1, "new_tokens": 3}):
         with pytest.raises(PlacementError, match="prompt_len|new_tokens"):
             predict(chain, split, topo, **bad)
+
+
+def test_slow_hops_make_the_lanes_bound_the_rate():
+    """The runtime keeps one batch per device in flight, each going round every stage and hop
+    per step: with hops as long as a stage, two lanes finish 2 batches per round, fewer than
+    the busiest device alone would allow; more lanes lift that bound up to the device's."""
+    chain = tiny("llama").chain
+    names = chain.names
+    topo = Topology(["a", "b"], latency=1e-3, bandwidth=math.inf,
+                    stage_times={(s, d): 1e-3 for s in names for d in "ab"},
+                    prefill_times={(s, d): 5e-3 for s in names for d in "ab"})
+    split = dict(zip(names, "aabb"))
+    p = predict(chain, split, topo, batch=4)
+    assert (p.lanes, p.latency_s, p.bottleneck_s) == (2, pytest.approx(6e-3), pytest.approx(2e-3))
+    assert p.lane_s == pytest.approx(3e-3)
+    assert p.throughput == pytest.approx(2 * 4 / 6e-3)         # not 4 / 2e-3
+    assert p.limit == "2 lanes, each 6 ms per step round the devices"
+    assert "bottleneck: 2 lanes, each 6 ms" in str(Plan.from_assignment(chain, split, topo, 4))
+    four = predict(chain, split, topo, batch=4, lanes=4)
+    assert four.throughput == pytest.approx(4 / 2e-3) and four.limit == "compute on a"
+    served = predict(chain, split, topo, batch=4, prompt_len=8, new_tokens=16)
+    ring = (4 * 5e-3 + 2e-3) / 2, 6e-3 / 2                      # per prompt, per step
+    assert served.throughput == pytest.approx(4 * 16 / (4 * ring[0] + 16 * ring[1]))
+    alone = predict(chain, dict.fromkeys(names, "a"), topo, batch=4)
+    assert (alone.lanes, alone.throughput, alone.limit) == (1, pytest.approx(4 / 4e-3),
+                                                            "compute on a")
+    for bad in (0, 1.5, True):
+        with pytest.raises(PlacementError, match="lanes="):
+            predict(chain, split, topo, lanes=bad)
 
 
 def test_plan_times_the_prefill_of_a_served_prompt(cluster):

@@ -13,17 +13,23 @@ next to the head) return to the embedding's device for the next step.
 
 - **latency** (seconds per step, hence per token of one sequence) = every stage time + every hop,
   the return hop included: one token has to go round the whole ring before the next can start.
-- **throughput** (tokens/s) = ``batch / bottleneck``, the bottleneck being the busiest resource:
-  a device (the sum of its stages' times) or a directed link (the sum of its hops' times, latency
-  included: a link is taken to carry one message at a time). This is the steady state of a
-  pipeline with enough independent batches in flight (at least one per segment); with a single
-  batch in flight throughput is ``batch / latency``.
+- **throughput** (tokens/s) = ``batch / max(bottleneck, latency / lanes)``. The bottleneck is
+  the busiest resource: a device (the sum of its stages' times) or a directed link (the sum of
+  its hops' times, latency included: a link is taken to carry one message at a time). The
+  runtime keeps ``lanes`` batches in flight (:mod:`tfnb.runtime.scheduler`: one lane of cache
+  rows per device of a split chain, one for a single device), each going round every stage and
+  hop once per step, so ``lanes`` batches per ``latency`` bound the rate too. With a single
+  batch in flight throughput is ``batch / latency``; once the lanes cover the segments, the
+  busiest resource sets it unless the hops lengthen the round (``lane_s`` then exceeds
+  ``bottleneck_s``).
   **Serving requests** (``prompt_len`` and ``new_tokens`` given): each of the ``batch``
   sequences is a request that first prefills its prompt (``p(s, d)``: ``prefill_times``
   measured, else compute bound, the head on the last position only) and then makes
   ``new_tokens`` tokens, requests following one another. In the time ``batch`` of them take,
   a resource works ``batch * prefill + new_tokens * step``, so throughput = ``batch *
-  new_tokens / max(batch * prefill + new_tokens * step)`` over the resources.
+  new_tokens / max(batch * prefill + new_tokens * step)`` over the resources, the lanes counted
+  as one more resource (``latency / lanes`` per step, a prompt's trip through every stage and
+  hop ``/ lanes`` per prefill).
 - **bytes per token** = bytes crossing devices per step / ``batch``.
 - **memory** per device = parameters of its stages + their KV cache for ``batch`` x
   ``context_len`` tokens. Activations and workspace are not counted.
@@ -277,7 +283,9 @@ class Prediction:
     ``decode_throughput`` the decode steps' alone; ``bytes_per_token`` crossing devices;
     ``memory`` and ``capacity`` in bytes per device; ``bottleneck`` names the busiest resource
     and ``bottleneck_s`` its seconds per step; ``stage_s`` each stage's seconds per step on its
-    device and ``prefill_s`` per prompt (a replicated plan: on the first replica).
+    device and ``prefill_s`` per prompt (a replicated plan: on the first replica); ``lanes``
+    the batches the runtime keeps in flight and ``lane_s`` = ``latency_s / lanes``, the other
+    bound on a step (see :attr:`limit`).
     """
 
     latency_s: float
@@ -292,6 +300,8 @@ class Prediction:
     prompt_len: int = 0
     new_tokens: int = 0
     prefill_s: dict = field(default_factory=dict)
+    lanes: int = 1
+    lane_s: float = 0.0
 
     def __post_init__(self):
         if not self.decode_throughput:
@@ -299,7 +309,21 @@ class Prediction:
 
     def __repr__(self) -> str:
         return (f"Prediction({self.latency_s * 1e3:.3g} ms/token, {self.throughput:.3g} tokens/s, "
-                f"{self.bytes_per_token:,.0f} B/token crossing, bottleneck {self.bottleneck})")
+                f"{self.bytes_per_token:,.0f} B/token crossing, bottleneck {self.limit})")
+
+    @property
+    def limit(self) -> str:
+        """What sets the decode rate: the busiest resource (``bottleneck``), or the lanes' trip
+        round the devices when that takes longer per lane than the busiest resource's step.
+
+        >>> Prediction(4e-3, 500.0, 0.0, bottleneck="compute on a", bottleneck_s=1.8e-3,
+        ...            lanes=2, lane_s=2e-3).limit
+        '2 lanes, each 4 ms per step round the devices'
+        """
+        if self.lane_s <= self.bottleneck_s:
+            return self.bottleneck
+        return (f"{self.lanes} lanes, each {self.lane_s * self.lanes * 1e3:.3g} ms per step round "
+                "the devices")
 
     def rate_words(self) -> str:
         """What ``throughput`` counts, in words (after "N tokens/s")."""
@@ -358,6 +382,13 @@ def check_requests(prompt_len, new_tokens) -> tuple[int, int]:
     return int(prompt_len), int(new_tokens)
 
 
+def check_lanes(lanes) -> int:
+    """Validated ``lanes`` (batches in flight): an integer >= 1."""
+    if isinstance(lanes, bool) or not isinstance(lanes, (int, np.integer)) or lanes < 1:
+        raise PlacementError(f"lanes={lanes!r}: expected an integer >= 1 (batches in flight)")
+    return int(lanes)
+
+
 def serving_rate(batch: int, new_tokens: int, step: dict, prefill: dict) -> float:
     """Tokens/s of ``batch`` sequences that each prefill a prompt and make ``new_tokens``
     tokens, requests following one another (see the module docstring); ``step`` and
@@ -368,9 +399,10 @@ def serving_rate(batch: int, new_tokens: int, step: dict, prefill: dict) -> floa
 
 def predict(chain, assignment: dict, topology: Topology, batch: int = 1,
             context_len: int | None = None, prompt_len: int = 0,
-            new_tokens: int = 0) -> Prediction:
+            new_tokens: int = 0, lanes: int | None = None) -> Prediction:
     """Predicted latency, throughput, traffic and memory of ``assignment`` on ``topology``
-    (with ``prompt_len`` and ``new_tokens``: the throughput of served requests).
+    (with ``prompt_len`` and ``new_tokens``: the throughput of served requests; ``lanes``: the
+    batches in flight, by default the runtime's one per device the chain visits).
 
     Examples
     --------
@@ -387,6 +419,7 @@ def predict(chain, assignment: dict, topology: Topology, batch: int = 1,
     batch, context_len = check_load(batch, context_len)
     prompt_len, new_tokens = check_requests(prompt_len, new_tokens)
     idx = [topology.index(assignment[s.name]) for s in chain]
+    lanes = check_lanes(len(set(idx)) if lanes is None else lanes)
     busy: dict[str, float] = {}
     prefill: dict[str, float] = {}  # per resource, seconds per prompt
     stage_s: dict[str, float] = {}
@@ -418,10 +451,15 @@ def predict(chain, assignment: dict, topology: Topology, batch: int = 1,
         memory[assignment[stage.name]] += need
     capacity = {d: float(topology.memory[topology.index(d)]) for d in memory}
     name, slowest = max(busy.items(), key=lambda kv: kv[1])
-    decode = batch / slowest if slowest > 0 else math.inf
-    served = serving_rate(batch, new_tokens, busy, prefill) if prompt_len else decode
+    # the lanes as one more resource: each goes round every stage and hop once per step (a
+    # prompt once per prefill), so together they finish `lanes` batches per round
+    lane_s, ring = latency / lanes, "lanes"
+    decode = batch / max(slowest, lane_s) if max(slowest, lane_s) > 0 else math.inf
+    served = serving_rate(batch, new_tokens, {**busy, ring: lane_s},
+                          {**prefill, ring: sum(prefill.values()) / lanes}) \
+        if prompt_len else decode
     return Prediction(latency, served, crossing / batch, memory, capacity, name, slowest,
-                      stage_s, decode, prompt_len, new_tokens, prefill_s)
+                      stage_s, decode, prompt_len, new_tokens, prefill_s, lanes, lane_s)
 
 
 def predict_replicated(chain, replicas, topology: Topology, batch: int = 1,
@@ -460,4 +498,5 @@ def predict_replicated(chain, replicas, topology: Topology, batch: int = 1,
     prefill_s = {s.name: topology.prefill_s(s, first, prompt_len) for s in chain} \
         if prompt_len else {}
     return Prediction(latency, throughput, 0.0, memory, capacity, name, slowest, stage_s,
-                      decode, prompt_len, new_tokens, prefill_s)
+                      decode, prompt_len, new_tokens, prefill_s, len(shares),
+                      latency / len(shares))

@@ -9,7 +9,9 @@ order of devices), ``optimal_assignment`` returns one that minimises the objecti
 (parameters + KV cache at the given batch and context):
 
 - ``"latency"``: stage times + hop times + the token-id hop from the last device to the first;
-- ``"throughput"``: the slowest resource, i.e. the largest segment time or hop time.
+- ``"throughput"``: the slowest resource, i.e. the largest segment time or hop time
+  (``bottleneck_s``; the runtime's lanes bound the rate too, ``lane_s``, which ``predict``
+  reports for the plan found but which is not searched over).
 
 Of latency-optimal plans it returns the most even one (least sum of squared segment times;
 see ``TIE``): with two devices, the one whose slowest segment is fastest.

@@ -337,7 +337,7 @@ class Plan:
         return head + (f"\npredicted: {p.latency_s * 1e3:.4g} ms/token latency, "
                        f"{p.throughput:.4g} tokens/s {p.rate_words()}, "
                        f"{p.bytes_per_token:,.0f} B/token "
-                       f"crossing devices; bottleneck: {p.bottleneck}")
+                       f"crossing devices; bottleneck: {p.limit}")
 
     _HEADER = ("device", "stages", "device memory used / cap (MB)")
 

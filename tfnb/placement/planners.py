@@ -13,7 +13,11 @@
 - ``"optimal"``: exact over pipelines of contiguous runs, one per device (see
   :mod:`tfnb.placement.optimal`), for ``objective="latency"`` or ``"throughput"``. ``greedy``
   may visit a device twice, outside that form: when its plan (or ``memory``'s) predicts better,
-  that plan is returned, so ``optimal`` is never predicted worse than a baseline. With too many
+  that plan is returned, so ``optimal`` is never predicted worse than a baseline. For
+  ``"throughput"`` the search minimises the busiest resource, and the latency-optimal pipeline
+  competes too: the runtime's lanes go round every stage and hop each step
+  (:func:`~tfnb.placement.cost.predict`'s ``lane_s``), so on slow links the shortest round can be
+  the faster; of the candidates, the one predicted fastest is returned. With too many
   kinds of device to search every order (16 all different), a beam search replaces the exact
   one, with a warning.
 
@@ -198,9 +202,9 @@ def optimal_assignment(chain, topo: Topology, batch: int = 1, context_len: int =
     >>> optimal_assignment(tiny("llama").chain, topo, context_len=16)
     {'embed': 'a', 'block.0': 'a', 'block.1': 'b', 'head': 'b'}
     """
-    def value(assignment):
+    def value(assignment):  # seconds per step: of one batch, or per batch of the pipeline
         p = predict(chain, assignment, topo, batch, context_len)
-        return p.latency_s if objective == "latency" else p.bottleneck_s
+        return p.latency_s if objective == "latency" else max(p.bottleneck_s, p.lane_s)
 
     baselines = []  # (value, assignment): a pipeline must beat these to be returned
     for planner in (memory_assignment, greedy_assignment):
@@ -210,22 +214,29 @@ def optimal_assignment(chain, topo: Topology, batch: int = 1, context_len: int =
             continue
         baselines.append((value(a), a))
     bound = min((v for v, _ in baselines), default=math.inf)
-    segs = None
+    # For throughput the search minimises the busiest resource; the runtime's lanes also bound
+    # the rate by the round's length (predict's lane_s), which the latency-optimal pipeline
+    # keeps shortest, so that one is a candidate too (on slow links it can be the faster).
+    searches = [(objective, bound)] + ([("latency", math.inf)] if objective != "latency" else [])
+    found = []
     exact = exact_is_feasible(topo, len(chain))
-    if exact:
-        try:
-            segs, _ = optimal_segments(chain, topo, batch, context_len, objective, bound)
-        except TooLarge:
-            exact = False
-    if not exact:
-        warnings.warn(f"optimal planner: {len(topo.classes())} kinds of device among "
-                      f"{len(topo.devices)} are too many to search every order exactly; a beam "
-                      f"search of width {BEAM} found this plan (the best found, not proven "
-                      "optimal). Devices of one kind described identically keep the search "
-                      "exact.", stacklevel=3)
-        segs, _ = optimal_segments(chain, topo, batch, context_len, objective, bound, beam=BEAM)
-    names = chain.names
-    found = [] if segs is None else [{names[k]: dev for dev, i, j in segs for k in range(i, j)}]
+    for goal, limit in searches:
+        segs = None
+        if exact:
+            try:
+                segs, _ = optimal_segments(chain, topo, batch, context_len, goal, limit)
+            except TooLarge:
+                exact = False
+        if not exact:
+            if goal == objective:
+                warnings.warn(f"optimal planner: {len(topo.classes())} kinds of device among "
+                              f"{len(topo.devices)} are too many to search every order "
+                              f"exactly; a beam search of width {BEAM} found this plan (the "
+                              "best found, not proven optimal). Devices of one kind described "
+                              "identically keep the search exact.", stacklevel=3)
+            segs, _ = optimal_segments(chain, topo, batch, context_len, goal, limit, beam=BEAM)
+        if segs is not None:
+            found.append({chain.names[k]: dev for dev, i, j in segs for k in range(i, j)})
     candidates = [(value(a), a) for a in found] + baselines
     if not candidates:
         raise PlacementError(
@@ -248,7 +259,8 @@ def plan(model_or_chain, cluster_or_topology, mode: str = "optimal", objective: 
     cluster_or_topology : a connected ``Cluster`` (measured once, cached), a ``Topology`` or a
         list of device strings
     mode : ``"optimal"``, ``"greedy"``, ``"memory"`` or ``"replicate"``
-    objective : ``"latency"`` (seconds per token) or ``"throughput"`` (slowest pipeline stage)
+    objective : ``"latency"`` (seconds per token) or ``"throughput"`` (tokens per second of the
+        pipeline: its busiest resource and its lanes' round)
     batch, context_len : the load the memory caps (KV cache) and costs are computed for;
         ``context_len=None`` means ``DEFAULT_CONTEXT_LEN``
     max_memory : ``{device: bytes or "512MB"}``, or one cap for every device, replacing the measured caps

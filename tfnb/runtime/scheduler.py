@@ -22,6 +22,15 @@ two chunks on separate caches called from two client threads at once ran 29.5 ms
 one lane's step while the other worker works on the other's. So two requests on a split model
 keep both workers busy, which one loop over both stages cannot (see the facts on overlap).
 
+What two lanes leave on the table, probed on the same machine (Zen 5, SmolLM2 Q4_1 split
+embed..block.16 | block.17..head, 4 rows per lane): one lane alone ran 18.8 ms per step (median
+of 5), where the cost model's round is 18.3 (stages 8.7 + 9.1 ms, hops 0.5); with both lanes
+busy each ran 21-23 ms per step, where the busiest worker's share is 18.2. Two lanes over two
+equal stages alternate with no slack, so any slow step on either worker delays both lanes.
+Serialising each worker's stages (a ``tf.CriticalSection`` per device around every stage call)
+changed nothing measurable (222-256 against 189-245 tokens/s at 8 requests, 5 rounds each). A
+third lane adds slack but reads every weight once more per round (probed: slower).
+
 Examples
 --------
 >>> import threading

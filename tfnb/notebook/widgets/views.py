@@ -208,7 +208,7 @@ def figures_html(prediction, applied=None) -> str:
     line = (f"predicted <b>{p.latency_s * 1e3:.3g} ms/token</b> latency, "
             f"<b>{p.throughput:.4g} tokens/s</b> {html.escape(p.rate_words())}, "
             f"<b>{format_bytes(p.bytes_per_token)}/token</b> across devices; "
-            f"bottleneck: {html.escape(p.bottleneck)}")
+            f"bottleneck: {html.escape(p.limit)}")
     if applied is not None and applied.prediction is not None:
         ratio = p.latency_s / applied.prediction.latency_s if applied.prediction.latency_s else 1
         line += f" <i>({ratio:.2f}x the applied plan's latency)</i>"
