@@ -11,6 +11,9 @@ clients, where the targets are read, each configuration runs 3 rounds and the me
 counts (all three are in the JSON and the summary): single rounds of one configuration varied
 by 10-25% on the 2-core machine.
 
+The three tfnb configurations are placed at once on one cluster of two workers, each pinned to
+a core, and their rounds interleave (the single worker is worker 0 alone):
+
 * ``tfnb 1 worker``: the model on one worker; concurrent requests share its batch;
 * ``tfnb split``: a plan capped at 100 MB per worker, so each holds half the blocks; one lane
   of cache rows per worker, so two batches keep both busy;
@@ -102,40 +105,57 @@ CONFIGS = (("tfnb 1 worker", 1, {}), ("tfnb split", 2, {"max_memory": "100MB"}),
 
 def bench_tfnb(model, prompt_ids, requests: int, new: int, predict: bool = True,
                only=None) -> dict:
+    """Every configuration placed at once on one cluster of two workers pinned to a core each
+    (the single-worker configuration on worker 0 alone), their rounds interleaved: a slow spell
+    of the machine, which can last a minute here, then falls on every configuration alike and
+    leaves their ratios be."""
     import tfnb
 
-    results = {}
-    for name, n_workers, how in CONFIGS:
-        if only and name.split()[-1] not in only:
-            continue
-        cluster = tfnb.local(n_workers, cpus=[str(i) for i in range(n_workers)])
-        try:
-            plan = tfnb.plan(model, cluster, calibrate=False, **how)
-            placed = tfnb.place(model, plan, cluster)
-            copies = getattr(placed, "replicas", [placed])
+    configs = [c for c in CONFIGS if not only or c[0].split()[-1] in only]
+    cluster = tfnb.local(2, cpus=["0", "1"])
+    try:
+        placed, results = {}, {}
+        for name, n_workers, how in configs:
+            devices = list(cluster.devices[:n_workers])
+            plan = tfnb.plan(model, cluster, calibrate=False, devices=devices, **how)
+            pm = tfnb.place(model, plan, cluster)
+            copies = getattr(pm, "replicas", [pm])
             for copy in copies:  # the default 8 cache rows per lane: 16 requests queue half
                 copy.eos_ids = ()
-            lanes = len(copies) * len(copies[0].scheduler.lanes)
-            rows = rounds(lambda: len(placed.generate_ids(prompt_ids, max_new_tokens=new)),
-                          requests, new)
+            placed[name] = (lambda pm=pm: len(pm.generate_ids(prompt_ids, max_new_tokens=new)))
+            results[name] = {"rounds": [], "plan": str(plan.segments()),
+                             "lanes": len(copies) * len(copies[0].scheduler.lanes)}
+        for c in CONCURRENCY:
+            for name in placed:  # compiles the batch and window sizes the round reaches
+                round_of(placed[name], c, requests, new)
+            runs = {name: [] for name in placed}
+            for _ in range(REPEATS_AT if c == PREDICT_AT else 1):
+                for name, send in placed.items():
+                    runs[name].append(round_of(send, c, requests, new))
+            for name in placed:
+                results[name]["rounds"].append(median_round(runs[name]))
+            print(c, {n: round(results[n]["rounds"][-1]["tokens_per_s"], 1) for n in placed},
+                  flush=True)
+        placed.clear()
+        for name, n_workers, how in configs if predict else ():
             # the planner's figure for 8 requests: each lane runs 8 / lanes of them (a
-            # replicated plan splits the batch over its copies itself)
-            batch = PREDICT_AT if how.get("mode") == "replicate" else PREDICT_AT // lanes
-            results[name] = {"rounds": rows, "lanes": lanes, "plan": str(plan.segments())}
-            if not predict:
-                continue
-            try:  # the context of a lane's caches (256 slots), not the planner's default
+            # replicated plan splits the batch over its copies itself), over a lane's caches
+            # (256 slots), the prefill of this prompt timed too
+            batch = PREDICT_AT if how.get("mode") == "replicate" else \
+                PREDICT_AT // results[name]["lanes"]
+            try:
                 predicted = tfnb.plan(model, cluster, batch=batch, context_len=256,
-                                      prompt_len=len(prompt_ids), new_tokens=new, **how)
+                                      prompt_len=len(prompt_ids), new_tokens=new,
+                                      devices=list(cluster.devices[:n_workers]), **how)
                 results[name].update(predicted_at_8=predicted.prediction.throughput,
                                      predicted_decode_at_8=predicted.prediction.decode_throughput,
                                      predicted_plan=str(predicted.segments()))
             except tfnb.errors.PlacementError as e:
                 print(name, "no prediction:", e, flush=True)
             print(name, results[name].get("predicted_at_8"), flush=True)
-        finally:
-            cluster.stop()
-    return results
+        return results
+    finally:
+        cluster.stop()
 
 
 def bench_hf(model, prompt_ids, requests: int, new: int) -> dict:

@@ -584,3 +584,22 @@ def test_calibration_times_every_device_of_a_kind_at_once():
         overlaps = {k for k, _, s, e in timed if s < end and e > start}
         assert {k for k in overlaps if k[1] == key[1]} == {(d, key[1]) for d in "abc"}
         assert all(k[1] == key[1] for k in overlaps), (key, overlaps)
+
+
+def test_plan_on_some_devices_of_a_cluster(cluster):
+    """``plan(devices=[...])`` measures and places on those devices of the cluster only (a
+    benchmark keeps one worker for a single-device placement beside a split over both);
+    devices the cluster does not have are named in one error."""
+    model = tiny("llama")
+    first = cluster.devices[0]
+    p = plan(model, cluster, devices=[first], context_len=64)
+    assert set(p.assignment.values()) == {first}
+    assert p.prediction.throughput > 0 and set(p.prediction.memory) == {first}
+    both = plan(model, cluster, mode="replicate", devices=list(cluster.devices[:2]),
+                context_len=64, calibrate=False)
+    assert list(both.replicas) == list(cluster.devices[:2])
+    for bad in (["/job:nowhere/device:CPU:0"], [], first, [first, first]):
+        with pytest.raises(PlacementError, match="devices="):
+            plan(model, cluster, devices=bad, calibrate=False)
+    with pytest.raises(PlacementError, match="with a Cluster"):
+        plan(model, ["a", "b"], devices=["a"])

@@ -52,7 +52,8 @@ def _chain(model_or_chain):
 
 
 def as_topology(cluster_or_topology, model=None, batch: int = 1,
-                context_len: int | None = None, prompt_len: int = 0) -> Topology:
+                context_len: int | None = None, prompt_len: int = 0,
+                devices=None) -> Topology:
     """A ``Topology`` from a Topology, a connected ``Cluster`` (measured, cached) or devices.
 
     With a cluster and a placeable llama ``model`` (``tfnb.load_model``, ``tiny("llama")``), the
@@ -60,17 +61,24 @@ def as_topology(cluster_or_topology, model=None, batch: int = 1,
     ``context_len`` (:func:`tfnb.placement.measure.calibrate`), which replace the FLOP-based
     estimate, and with ``prompt_len`` the times of one prompt's prefill. A list of device
     strings gives a topology with unlimited memory, equal speeds and equal links (placement then
-    only balances the chain).
+    only balances the chain). ``devices`` (with a cluster) measures those of its devices only.
 
     Examples
     --------
     >>> as_topology(["a", "b"]).devices
     ('a', 'b')
     """
+    is_cluster = hasattr(cluster_or_topology, "devices") and hasattr(cluster_or_topology, "status")
+    if devices is not None:
+        known = list(cluster_or_topology.devices) if is_cluster else None
+        if known is None or isinstance(devices, str) or not devices or \
+                any(d not in known for d in devices) or len(set(devices)) != len(devices):
+            raise PlacementError(f"devices={devices!r:.120}: expected distinct devices of the "
+                                 f"cluster ({known if known is not None else 'with a Cluster'})")
     if isinstance(cluster_or_topology, Topology):
         return cluster_or_topology
-    if hasattr(cluster_or_topology, "devices") and hasattr(cluster_or_topology, "status"):
-        topo = measure.measure_topology(cluster_or_topology)
+    if is_cluster:
+        topo = measure.measure_topology(cluster_or_topology, devices)
         if _placeable(model):
             batch, context_len = check_load(batch, context_len)
             topo = topo.with_stage_times(measure.calibrate(model, cluster_or_topology, topo,
@@ -250,7 +258,8 @@ def optimal_assignment(chain, topo: Topology, batch: int = 1, context_len: int =
 
 def plan(model_or_chain, cluster_or_topology, mode: str = "optimal", objective: str = "latency",
          batch: int = 1, context_len: int | None = None, max_memory: dict | None = None,
-         calibrate: bool = True, prompt_len: int = 0, new_tokens: int = 0) -> Plan:
+         calibrate: bool = True, prompt_len: int = 0, new_tokens: int = 0,
+         devices=None) -> Plan:
     """Choose devices for every stage of a model and predict what it costs.
 
     Parameters
@@ -270,6 +279,7 @@ def plan(model_or_chain, cluster_or_topology, mode: str = "optimal", objective: 
         prediction's ``throughput`` then counts each request's prefill (timed too when
         calibrating) beside its ``new_tokens`` decode steps; the stages are still chosen by
         the decode step
+    devices : with a cluster, plan on these of its devices only (default: all of them)
 
     Examples
     --------
@@ -287,10 +297,10 @@ def plan(model_or_chain, cluster_or_topology, mode: str = "optimal", objective: 
     batch, context_len = check_load(batch, context_len)
     prompt_len, new_tokens = check_requests(prompt_len, new_tokens)
     # a replicated plan splits the batch over the copies: each copy's steps run at its share
-    devices = getattr(cluster_or_topology, "devices", None) or [None]
-    share = math.ceil(batch / len(devices)) if mode == "replicate" else batch
+    copies = devices or getattr(cluster_or_topology, "devices", None) or [None]
+    share = math.ceil(batch / len(copies)) if mode == "replicate" else batch
     topo = as_topology(cluster_or_topology, model_or_chain if calibrate else None, share,
-                       context_len, prompt_len).with_max_memory(max_memory)
+                       context_len, prompt_len, devices).with_max_memory(max_memory)
     start = time.perf_counter()
     replicas = ()
     if mode == "replicate":
