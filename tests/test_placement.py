@@ -553,39 +553,6 @@ def test_a_prompt_calibration_times_the_prefill_not_a_decode_step():
         time_stages(cfg, [dev], prompt=300, **kw)
 
 
-def test_calibration_times_every_device_of_a_kind_at_once():
-    """Calibration's timed calls of one kind of segment run on every device together, as a
-    pipeline keeps them all busy (each device's time then includes what the others cost it);
-    the kinds take turns, so a block's calls never overlap an embedding's."""
-    import time as clock
-
-    from tfnb.runtime.calibrate import _per_step
-
-    spans = []
-
-    class Result(float):  # what a timed loop returns: its caller reads it with .numpy()
-        def numpy(self):
-            return float(self)
-
-    def loop(key):  # stands in for a device's timed loop: n steps of 5 ms
-        def run(n):
-            start = clock.perf_counter()
-            clock.sleep(0.005 * n)
-            spans.append((key, n, start, clock.perf_counter()))
-            return Result(n)
-        return run
-
-    loops = {(dev, kind): loop((dev, kind)) for dev in ("a", "b", "c")
-             for kind in ("embed", "block")}
-    per = _per_step(loops, steps=2, repeats=3, group=lambda key: key[1])
-    assert set(per) == set(loops) and all(0.004 < t < 0.05 for t in per.values()), per
-    timed = [s for s in spans if s[1] == 3]  # the 1 + steps calls, after the warm-up
-    for (key, _, start, end) in timed:
-        overlaps = {k for k, _, s, e in timed if s < end and e > start}
-        assert {k for k in overlaps if k[1] == key[1]} == {(d, key[1]) for d in "abc"}
-        assert all(k[1] == key[1] for k in overlaps), (key, overlaps)
-
-
 def test_plan_on_some_devices_of_a_cluster(cluster):
     """``plan(devices=[...])`` measures and places on those devices of the cluster only (a
     benchmark keeps one worker for a single-device placement beside a split over both);

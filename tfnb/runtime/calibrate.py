@@ -18,8 +18,7 @@ measure a device's speed. So ``time_stages`` runs the runtime's compiled decode 
   1.55 ms, eight in a row at 2.12 ms each;
 - each segment called ``steps`` times in a ``tf.while_loop`` on the device. A step costs
   ``(t(1 + steps) - t(1)) / steps``, which removes the client's round trip; the calls of all
-  three segments alternate ``repeats`` times (every device's at once: see ``time_stages``) and
-  the median of each counts. The median, not the
+  three segments alternate ``repeats`` times and the median of each counts. The median, not the
   best: a timed call lasts 0.2-0.3 s, a generate call seconds, and the least disturbed of 7
   short calls is faster than a long call runs. Probed on the 2-core machine, workers pinned
   to one core each, SmolLM2 over 1 or 2 workers: the sum of the best times predicted 5-16%
@@ -38,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import threading
 import time
 
 import numpy as np
@@ -81,50 +79,20 @@ def _loops(small, weights, device: str, batch: int, slots: int, prompt: int = 0)
     return out
 
 
-def _at_once(calls: list) -> list:
-    """The results of ``calls`` (callables taking no argument), run at once in daemon threads
-    (a call that never returns must not hold the process open); the first exception raised."""
-    out: list = [None] * len(calls)
-
-    def run(i):
-        try:
-            out[i] = (True, calls[i]())
-        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
-            out[i] = (False, e)
-
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(calls))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for ok, value in out:
-        if not ok:
-            raise value
-    return [value for _, value in out]
-
-
-def _per_step(loops: dict, steps: int, repeats: int, group=lambda name: name) -> dict:
+def _per_step(loops: dict, steps: int, repeats: int) -> dict:
     """Seconds per iteration of each ``loops[name](n)``: ``(t(1 + steps) - t(1)) / steps`` with
-    the median ``t`` of ``repeats`` calls. The loops of one ``group(name)`` run at once, each
-    timed in its own thread; the groups alternate (a burst of other work hits each alike)."""
-    took = {name: {1: [], 1 + steps: []} for name in loops}
-    groups: dict = {}
-    for name in loops:
-        groups.setdefault(group(name), []).append(name)
-
-    def timed(name, n):
-        t0 = time.perf_counter()
-        loops[name](n).numpy()
-        return time.perf_counter() - t0
-
-    for names in groups.values():
-        _at_once([lambda name=name: timed(name, 1) for name in names])  # trace + compile
+    the median ``t`` of ``repeats`` calls, all alternated (a burst of other work hits each
+    alike)."""
+    took: dict = {}
+    for name, loop in loops.items():
+        loop(1).numpy()  # trace + compile
+        took[name] = {1: [], 1 + steps: []}
     for _ in range(repeats):
-        for names in groups.values():
+        for name, loop in loops.items():
             for n in (1, 1 + steps):
-                for name, t in zip(names, _at_once([lambda name=name: timed(name, n)
-                                                    for name in names])):
-                    took[name][n].append(t)
+                t0 = time.perf_counter()
+                loop(n).numpy()
+                took[name][n].append(time.perf_counter() - t0)
     return {name: max(0.0, float(np.median(t[1 + steps]) - np.median(t[1]))) / steps
             for name, t in took.items()}
 
@@ -190,10 +158,8 @@ def stage_timer(config, devices, *, batch: int = 1, slots: int = 128,
         (), timeout=CALIBRATION_TIMEOUT_S, devices=devices, what="calibration (weights)")
 
     def timer(steps: int = 32, repeats: int = 9) -> dict:
-        # every device's loop of a kind at once: a pipeline keeps them all busy together
-        per = call_with_deadline(_per_step, (loops, steps, repeats, lambda name: name[1]),
-                                 timeout=CALIBRATION_TIMEOUT_S, devices=devices,
-                                 what="calibration")
+        per = call_with_deadline(_per_step, (loops, steps, repeats), timeout=CALIBRATION_TIMEOUT_S,
+                                 devices=devices, what="calibration")
         return {dev: {kind: per[(dev, kind)] / (k if kind == "block" else 1)
                       for kind in ("embed", "block", "head")} for dev in devices}
 
@@ -207,13 +173,12 @@ def time_stages(config, devices, *, batch: int = 1, slots: int = 128, steps: int
     embedding, one block and the head on each of ``devices`` (with ``prompt``: seconds per
     prefill of ``batch`` prompts of ``prompt`` tokens).
 
-    Every device times its embedding at the same moment as the others, then its blocks, then
-    its head (each call in its own thread), as a pipeline or replicas keep every device busy
-    at once: devices that share a host's memory and caches are slower together than alone.
-    Probed on the 2-core machine, two workers pinned to one core each, SmolLM2 Q4_1 at batch
-    4: a block took 0.46-0.52 ms alone and 0.49-0.59 ms while the other worker timed its own.
-    The kinds alternate over ``repeats`` rounds, so a slow spell of the machine falls on a few
-    samples of each, which the median skips.
+    The devices' timed calls alternate, so their samples spread over the whole calibration
+    and a slow spell of the machine falls on a few samples of each, which the median skips.
+    Each device is timed alone. Timing all at once, as a pipeline runs them, was tried: a
+    SmolLM2 block then took 0.49-0.59 ms against 0.46-0.52 alone (two one-core workers, batch
+    4), but a worker sharing its core with a busy process timed like its twin in one run of
+    ``test_a_worker_slowed_by_other_work_gets_its_own_stage_times``.
 
     Parameters
     ----------
