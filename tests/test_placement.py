@@ -504,7 +504,8 @@ def test_slow_hops_make_the_lanes_bound_the_rate():
     assert (p.lanes, p.latency_s, p.bottleneck_s) == (2, pytest.approx(6e-3), pytest.approx(2e-3))
     assert p.lane_s == pytest.approx(3e-3)
     assert p.throughput == pytest.approx(2 * 4 / 6e-3)         # not 4 / 2e-3
-    assert p.limit == "2 lanes, each 6 ms per step round the devices"
+    assert p.limit == ("2 lanes, each 6 ms per step round the devices (busiest: compute on a, "
+                       "2 ms per step)")
     assert "bottleneck: 2 lanes, each 6 ms" in str(Plan.from_assignment(chain, split, topo, 4))
     four = predict(chain, split, topo, batch=4, lanes=4)
     assert four.throughput == pytest.approx(4 / 2e-3) and four.limit == "compute on a"

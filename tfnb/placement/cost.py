@@ -314,16 +314,18 @@ class Prediction:
     @property
     def limit(self) -> str:
         """What sets the decode rate: the busiest resource (``bottleneck``), or the lanes' trip
-        round the devices when that takes longer per lane than the busiest resource's step.
+        round the devices when that takes longer per lane than the busiest resource's step (the
+        busiest resource is named then too: moving a stage changes it, not the round).
 
         >>> Prediction(4e-3, 500.0, 0.0, bottleneck="compute on a", bottleneck_s=1.8e-3,
         ...            lanes=2, lane_s=2e-3).limit
-        '2 lanes, each 4 ms per step round the devices'
+        '2 lanes, each 4 ms per step round the devices (busiest: compute on a, 1.8 ms per step)'
         """
         if self.lane_s <= self.bottleneck_s:
             return self.bottleneck
         return (f"{self.lanes} lanes, each {self.lane_s * self.lanes * 1e3:.3g} ms per step round "
-                "the devices")
+                f"the devices (busiest: {self.bottleneck}, {self.bottleneck_s * 1e3:.3g} ms per "
+                "step)")
 
     def rate_words(self) -> str:
         """What ``throughput`` counts, in words (after "N tokens/s")."""
