@@ -177,8 +177,7 @@ def time_stages(config, devices, *, batch: int = 1, slots: int = 128, steps: int
     and a slow spell of the machine falls on a few samples of each, which the median skips.
     Each device is timed alone. Timing all at once, as a pipeline runs them, was tried: a
     SmolLM2 block then took 0.49-0.59 ms against 0.46-0.52 alone (two one-core workers, batch
-    4), but a worker sharing its core with a busy process timed like its twin in one run of
-    ``test_a_worker_slowed_by_other_work_gets_its_own_stage_times``.
+    4), within calibration's run-to-run spread, so the figures stay each device's alone.
 
     Parameters
     ----------
