@@ -92,9 +92,9 @@ def tiny_llama():
 
 @pytest.mark.parametrize("layout, boundaries", [("split", 1), ("alternating", 2)])
 def test_llm_decode_loop_moves_one_activation_per_token_and_boundary(cluster, tiny_llama, layout, boundaries):
-    """The runtime's decode loop (a tf.while_loop calling one XLA function per segment): per
-    generated token, worker 0 -> worker 1 carries exactly the hidden state of each boundary, so
-    no weight crosses; the loop's edges are counted once per step (not its dead exit sends)."""
+    """The runtime's decode chunks (unrolled steps calling one function per segment): per
+    decode step, worker 0 -> worker 1 carries exactly the hidden state of each boundary, so
+    no weight crosses; each edge is counted once per step."""
     w0, w1 = cluster.devices[:2]
     stages = {"split": {"embed": w0, "block.0": w0, "block.1": w1, "head": w1},
               "alternating": {"embed": w0, "block.0": w1, "block.1": w0, "head": w1}}[layout]
@@ -105,15 +105,20 @@ def test_llm_decode_loop_moves_one_activation_per_token_and_boundary(cluster, ti
     placed.generate_ids(prompts, max_new_tokens=4)  # compile outside the profiled blocks
 
     def profiled(n):
+        lane = placed.scheduler.lanes[0]
+        before = lane.steps
         with tfnb.profiler.profile(cluster, timeout=30) as prof:
             out = placed.generate_ids(prompts, max_new_tokens=n)
         assert not prof.partial, prof.reasons
-        steps = max(len(r) for r in out) - 1  # the first token comes from prefill
+        # the decode steps run: the first token comes from prefill, and a chain's unrolled
+        # chunks may run a step or two past the last one
+        steps = lane.steps - before
+        assert max(len(r) for r in out) - 1 <= steps <= max(len(r) for r in out) + 1
         rows = {(r["source"], r["destination"]): r for r in prof.transfers()}
         return prof, steps, rows
 
     (_, steps_a, a), (prof, steps_b, b) = profiled(6), profiled(20)
-    assert steps_b - steps_a == 14
+    assert 14 <= steps_b - steps_a <= 16
     assert all(s != d and s.startswith("/job:") and d.startswith("/job:") for s, d in b)
     for edge in ((w0, w1), (w1, w0)):
         assert a[edge]["unknown"] == b[edge]["unknown"] == 0, b[edge]
@@ -121,8 +126,8 @@ def test_llm_decode_loop_moves_one_activation_per_token_and_boundary(cluster, ti
     assert per_token == pytest.approx(D * 4 * Bt * boundaries, rel=0.01)
     back = (b[(w1, w0)]["bytes"] - a[(w1, w0)]["bytes"]) / (steps_b - steps_a)
     assert 0 < back - D * 4 * Bt * (boundaries - 1) < D * 4 * Bt  # plus the next tokens only
-    loop = [r for r in prof.transfer_edges() if (r["source"], r["destination"]) == (w0, w1) and r["count"] == steps_b]
-    assert len(loop) == boundaries and all(r["bytes_each"] == D * 4 * Bt for r in loop), prof.transfer_edges()
+    # one transfer per boundary for the prefill and one per boundary and step, no more
+    assert b[(w0, w1)]["count"] == (steps_b + 1) * boundaries, prof.transfer_edges()
 
 
 def test_views_and_exports(split, tmp_path):

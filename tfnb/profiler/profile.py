@@ -286,7 +286,9 @@ class Profile:
         consuming node, how often it was sent and the bytes, most bytes first.
 
         An edge inside a ``tf.while_loop`` is sent once per iteration, so a decode loop shows
-        its per-token traffic as the edges whose ``count`` is the number of steps. ``bytes_each``
+        its per-token traffic as the edges whose ``count`` is the number of steps; a chain over
+        several workers decodes in unrolled chunks, one edge per step of a chunk, each sent once
+        per call. ``bytes_each
         is None when the sizes varied or were not traced. Eager copies to this process have no
         node names (``tensor`` and ``consumer`` None).
 

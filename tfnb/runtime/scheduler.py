@@ -22,14 +22,18 @@ two chunks on separate caches called from two client threads at once ran 29.5 ms
 one lane's step while the other worker works on the other's. So two requests on a split model
 keep both workers busy, which one loop over both stages cannot (see the facts on overlap).
 
-What two lanes leave on the table, probed on the same machine (Zen 5, SmolLM2 Q4_1 split
-embed..block.16 | block.17..head, 4 rows per lane): one lane alone ran 18.8 ms per step (median
-of 5), where the cost model's round is 18.3 (stages 8.7 + 9.1 ms, hops 0.5); with both lanes
-busy each ran 21-23 ms per step, where the busiest worker's share is 18.2. Two lanes over two
-equal stages alternate with no slack, so any slow step on either worker delays both lanes.
-Serialising each worker's stages (a ``tf.CriticalSection`` per device around every stage call)
-changed nothing measurable (222-256 against 189-245 tokens/s at 8 requests, 5 rounds each). A
-third lane adds slack but reads every weight once more per round (probed: slower).
+A chain's decode chunks run as unrolled graphs (:func:`tfnb.runtime.graphs.unrolled_decode`)
+of 1, 2, 4, 8 or 16 steps, not a loop: a loop over several workers sends its condition round
+before every step. Probed on the same machine, two lanes of 4 rows each decoding 128 tokens at
+once (no prefills between): 3.0-3.9 s unrolled against 4.0-4.2 s looped, alternating in one
+process, where one worker took 4.7-6.0 s for the same 8 rows. With requests arriving (8
+clients, 2 requests each, 48 tokens) the gain was 8% (164-169 against 153-158 tokens/s,
+interleaved): there each lane's prefills, one call per request, hold its rows and a worker for
+tens of milliseconds, and the two workers were busy about 80% of the time.
+
+What two lanes leave on the table besides, probed before unrolling: serialising each worker's
+stages (a ``tf.CriticalSection`` per device around every stage call) changed nothing
+measurable; a third lane adds slack but reads every weight once more per round (slower).
 
 Examples
 --------
@@ -388,6 +392,8 @@ class Lane:
         B = bucket(busy[-1][0] + 1, 1, fine=False)
         n = min([CHUNK_STEPS, self.slots - self.slot] +
                 [min(s.remaining, s.chunk - s.made % s.chunk) for _, s in busy])
+        if self.program.unrolled:
+            n = self._unrolled_steps(n, busy)
         self._compact(min(s.pad for _, s in busy), n)
         window = min(self.slots, bucket(self.slot + n, 64, fine=False))
         tok = np.full((B,), pm.pad_id, np.int32)
@@ -404,7 +410,7 @@ class Lane:
         mode = max(modes, key=_MODES.index)
         t0 = time.time_ns()
         tokens, count, slot, _, _ = pm.run(
-            self.program.decode_fn(mode, window),
+            self.program.decode_fn(mode, window, n),
             (tok, pad, np.int32(self.slot), done, np.int32(n), floats, ints),
             what="generate", lock=self.lock)
         self.calls += 1
@@ -413,6 +419,21 @@ class Lane:
         self.slot = int(slot)
         owners = list(dict.fromkeys(self.owners[r] for r, _ in busy))
         self._deliver(tokens[:int(count)], owners)
+
+    def _unrolled_steps(self, n: int, busy) -> int:
+        """The chunk length an unrolled program runs for ``n`` wanted steps: a graph per
+        length, so powers of two only. Rounded up when that wastes at most one step in eight
+        (15 -> 16: one call instead of four), the caches allow it and no row that goes on
+        would pass the end of its event chunk (a row that ends within the chunk drops the
+        tokens past its end); rounded down otherwise. So ``Lane.steps`` may exceed the tokens
+        made by a few steps per request."""
+        up = 1 << (n - 1).bit_length()
+        cap = min([CHUNK_STEPS, self.slots - self.slot] +
+                  [s.chunk - s.made % s.chunk for _, s in busy
+                   if s.remaining > s.chunk - s.made % s.chunk])
+        if up - n <= max(1, up // 8) and up <= cap:
+            return up
+        return 1 << (n.bit_length() - 1)
 
     def _deliver(self, tokens_NxB: np.ndarray, tickets: list[Ticket], first_row: int = 0) -> None:
         """Hand each ticket its sequences' new tokens (up to EOS or their budget); column
