@@ -12,8 +12,9 @@ with a prompt of ``n`` tokens is left-padded to ``pad = s - n`` (the runtime's u
 :mod:`tfnb.runtime.llama`), so its tokens, positions and attention are exactly those of the
 prompt alone. When the slot would run past the caches, the busy rows are moved to the front
 (:func:`tfnb.runtime.graphs.shift_function`), which the padding makes invisible. Shapes stay
-bucketed: busy rows to a power of two, the attended window to 64, 128, 256 ... slots, so
-arrivals never recompile once those buckets are warm.
+bucketed: busy rows to a power of two, the attended window to 64, 128, 256 ... slots (and a
+chain's unrolled chunks to 1, 2, 4, 8 or 16 steps), so arrivals never recompile once those
+buckets are warm.
 
 A split placement gets one lane per device in the chain. Probed on TF 2.21 with SmolLM2 split
 over two local workers pinned to one core each: one 32-step chunk alone ran 28.5 ms per step;
