@@ -206,8 +206,14 @@ def prefill_function(segs, fns, mode: str) -> "OnDevice":
     return OnDevice(run, segs[-1].device)
 
 
+def _decode_step(segs, fns, mode, window, tok_B, slot, pad_B, done_B, floats_Bx2, ints_Bx2):
+    """One decode step through every segment: the next tokens and ``done_B``."""
+    return run_segments(segs, fns, "decode", tok_B, pack_ctl(slot, pad_B),
+                        HeadIn(done_B, floats_Bx2, ints_Bx2), mode, window=window)
+
+
 def decode_function(segs, fns, mode: str, S: int, window: int | None,
-                    fused: bool, steps: int | None = None) -> "OnDevice":
+                    fused: bool) -> "OnDevice":
     """One multi-device graph of up to ``n_steps`` decode steps for the caches' first ``B``
     rows, attention reading the first ``window`` slots.
 
@@ -215,11 +221,8 @@ def decode_function(segs, fns, mode: str, S: int, window: int | None,
     last tokens, to be written at ``slot``); returns ``(tokens_NxB, steps, slot, last_tok_B,
     done_B)``. With a single segment and ``fused`` the whole loop is one XLA computation (as
     HF's XLA generate); otherwise a ``tf.while_loop`` calls each segment's XLA function on its
-    device. With ``steps`` the graph is exactly that many steps, unrolled (``n_steps`` must
-    equal it), which is what a chain over several workers runs (see :func:`unrolled_decode`).
+    device. A chain over several workers runs :func:`unrolled_decode` instead.
     """
-    if steps is not None:
-        return unrolled_decode(segs, fns, mode, window, steps)
     fused = fused and len(segs) == 1
     # The loop and its state live on the head's device (the last segment): per step, only
     # the packed tokens go to the first segment and activations along the chain; the client
@@ -241,9 +244,8 @@ def decode_function(segs, fns, mode: str, S: int, window: int | None,
 
         def body(i, slot, tok_B, done_B, tokens):
             with tf.device(loop_device):
-                tok_B, done_B = run_segments(segs, fns, "decode", tok_B, pack_ctl(slot, pad_B),
-                                             HeadIn(done_B, floats_Bx2, ints_Bx2), mode,
-                                             window=window)
+                tok_B, done_B = _decode_step(segs, fns, mode, window, tok_B, slot, pad_B,
+                                             done_B, floats_Bx2, ints_Bx2)
                 tokens = (xla.dynamic_update_slice(tokens, tok_B[None], tf.stack([i, 0]))
                           if fused else tokens.write(i, tok_B))
                 return i + 1, slot + 1, tok_B, done_B, tokens
@@ -274,7 +276,8 @@ def unrolled_decode(segs, fns, mode: str, window: int | None, steps: int) -> "On
     condition and a tensor in turn. Unrolled, every receive of the chunk is posted when the
     graph starts, and a step's tensors flow on as soon as they are made. Probed on TF 2.21,
     SmolLM2 split over two local one-core workers, 4 rows: 27-32 ms per step looped against
-    23-24 unrolled (same tokens), each worker's CPU 12-15% lower; a profile of the loop showed
+    23-24 unrolled (same tokens), each worker's CPU time 1.55-1.66 s against 1.82-2.03 s for
+    128 tokens; a profile of the loop showed
     3-4 ms per step between one worker's stage ending and the other's starting. The price:
     rows that all finish early still run the chunk out (they emit padding), so the scheduler
     keeps chunks to powers of two and no longer than ``CHUNK_STEPS``.
@@ -285,9 +288,8 @@ def unrolled_decode(segs, fns, mode: str, window: int | None, steps: int) -> "On
         with tf.device(loop_device):
             tokens, at = [], slot
             for _ in range(steps):
-                tok_B, done_B = run_segments(segs, fns, "decode", tok_B, pack_ctl(at, pad_B),
-                                             HeadIn(done_B, floats_Bx2, ints_Bx2), mode,
-                                             window=window)
+                tok_B, done_B = _decode_step(segs, fns, mode, window, tok_B, at, pad_B,
+                                             done_B, floats_Bx2, ints_Bx2)
                 tokens.append(tok_B)
                 at = at + 1
             return tf.stack(tokens), tf.constant(steps), at, tok_B, done_B
@@ -382,9 +384,11 @@ class Program:
         """:func:`decode_function` over these caches (``"greedy"``, ``"sample"`` or
         ``"filter"``), attention reading the first ``window`` slots (None: all); when
         :attr:`unrolled`, exactly ``steps`` steps per call."""
-        steps = steps if self.unrolled else None
-        return self._graph(("decode", mode, window, steps), lambda: decode_function(
-            self.segments, self.fns, mode, self.max_len, window, self.fused, steps))
+        if self.unrolled:
+            return self._graph(("decode", mode, window, steps), lambda: unrolled_decode(
+                self.segments, self.fns, mode, window, steps))
+        return self._graph(("decode", mode, window, None), lambda: decode_function(
+            self.segments, self.fns, mode, self.max_len, window, self.fused))
 
     def shift_fn(self) -> OnDevice:
         """:func:`shift_function` over these caches."""
