@@ -28,7 +28,7 @@ of 1, 2, 4, 8 or 16 steps, not a loop: a loop over several workers sends its con
 before every step. Probed on the same machine, two lanes of 4 rows each decoding 128 tokens at
 once (no prefills between): 3.0-3.9 s unrolled against 4.0-4.2 s looped, alternating in one
 process, where one worker took 4.7-6.0 s for the same 8 rows. With requests arriving (8
-clients, 2 requests each, 48 tokens) the gain was 8% (164-169 against 153-158 tokens/s,
+clients, 2 requests each, 48 tokens) the gain was 8% (167-169 against 153-158 tokens/s,
 interleaved): there each lane's prefills, one call per request, hold its rows and a worker for
 tens of milliseconds, and the two workers were busy about 80% of the time.
 
