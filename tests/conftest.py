@@ -54,6 +54,30 @@ def cluster(local_workers):
     return _connect(local_workers)
 
 
+@pytest.fixture
+def tf_warnings():
+    """The messages TensorFlow's logger warns with during the test (what a notebook cell shows
+    under its output), as a list that fills while the test runs."""
+    import logging
+
+    import tensorflow as tf
+
+    class Records(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    seen = Records()
+    tf.get_logger().addHandler(seen)
+    try:
+        yield seen.messages
+    finally:
+        tf.get_logger().removeHandler(seen)
+
+
 @pytest.fixture(scope="module")
 def own_workers():
     """Two worker processes of the test module's own, for tests that stop, kill or restart them."""

@@ -94,10 +94,12 @@ def test_a_split_model_runs_one_lane_per_worker(cluster, model, single):
     assert all(lane.calls > 0 for lane in placed.scheduler.lanes)
 
 
-def test_a_split_model_runs_unrolled_chunks_and_keeps_each_request_exact(cluster, model, single):
+def test_a_split_model_runs_unrolled_chunks_and_keeps_each_request_exact(cluster, model, single,
+                                                                         tf_warnings):
     """A chain over several workers decodes in unrolled graphs of 1, 2, 4, 8 or 16 steps,
     rounded up past a row's end where that saves calls: every request still gets exactly its
-    tokens, and a stream still gets its chunks at the size it asked for."""
+    tokens, a stream still gets its chunks at the size it asked for, and building a graph per
+    chunk length warns of nothing."""
     one, _ = single
     placed = tfnb.place(model, cluster.devices, cluster)
     lane = placed.scheduler.lanes[0]
@@ -119,6 +121,9 @@ def test_a_split_model_runs_unrolled_chunks_and_keeps_each_request_exact(cluster
                                   on_chunk=events.append))
     assert "".join(pieces) == full and len(pieces) == len(events) == 3
     assert [e.n_tokens for e in events] == [8, 16, 20]
+    # each chunk length is a graph of its own, which TF's retracing detector would take for
+    # a function traced again and again, and say so under the cell
+    assert not [m for m in tf_warnings if "retracing" in m], tf_warnings
 
 
 def test_a_stop_string_ends_its_row_early_and_frees_it(single):

@@ -281,33 +281,16 @@ def test_measure_topology_on_real_cluster(cluster):
     assert set(p.assignment.values()) <= set(cluster.devices)
 
 
-def test_plan_times_each_stage_on_the_cluster_once(cluster):
-    import logging
-
-    import tensorflow as tf
-
+def test_plan_times_each_stage_on_the_cluster_once(cluster, tf_warnings):
     from tfnb.placement import clear_cache
     from tfnb.placement.planners import as_topology
 
-    class Records(logging.Handler):
-        def __init__(self):
-            super().__init__(logging.WARNING)
-            self.messages = []
-
-        def emit(self, record):
-            self.messages.append(record.getMessage())
-
     model = tiny("llama")
     clear_cache()
-    seen = Records()
-    tf.get_logger().addHandler(seen)
-    try:
-        topo = as_topology(cluster, model, 1, 16)
-    finally:
-        tf.get_logger().removeHandler(seen)
+    topo = as_topology(cluster, model, 1, 16)
     # calibration's loops are tf.functions traced once each: TF's retracing warning would
     # only clutter the plan cell's output in a notebook
-    assert not [m for m in seen.messages if "retracing" in m], seen.messages
+    assert not [m for m in tf_warnings if "retracing" in m], tf_warnings
     d0, d1 = cluster.devices[:2]
     assert set(topo.stage_times) == {(s, d) for s in model.chain.names for d in cluster.devices}
     assert all(t >= 0 for t in topo.stage_times.values())

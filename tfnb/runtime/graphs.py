@@ -49,8 +49,8 @@ class _QuietRetracing(logging.Filter):
     each calibration loop) are separate tf.function objects traced once, which TF's detector
     mistakes for retracing."""
 
-    OURS = ("prefill_function", "decode_function", "shift_function", "segment_functions",
-            "logits_function", "timed_loop")
+    OURS = ("prefill_function", "decode_function", "unrolled_decode", "shift_function",
+            "segment_functions", "logits_function", "timed_loop")
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg = record.getMessage()
@@ -294,7 +294,6 @@ def unrolled_decode(segs, fns, mode: str, window: int | None, steps: int) -> "On
                 at = at + 1
             return tf.stack(tokens), tf.constant(steps), at, tok_B, done_B
 
-    run.__name__ = "decode_function"  # its retracing notes are dropped like the loop's
     return OnDevice(tf.function(run), loop_device)
 
 
