@@ -9,7 +9,8 @@ new tokens (EOS off, so every request makes them all); the figure is the aggrega
 second of the round and the median and 95th percentile of the requests' latencies. At 8
 clients, where the targets are read, each configuration runs 3 rounds and the median round
 counts (all three are in the JSON and the summary): single rounds of one configuration varied
-by 10-25% on the 2-core machine.
+by 10-25% on the 2-core machine. Each tfnb round also records every worker's CPU time over the
+round's wall time: how busy each core was, and how much CPU a token cost in all.
 
 The three tfnb configurations are placed at once on one cluster of two workers, each pinned to
 a core, and their rounds interleave (the single worker is worker 0 alone):
@@ -82,6 +83,19 @@ def round_of(send, clients: int, requests: int, new: int) -> dict:
             "p95_s": latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))]}
 
 
+def busy_round(send, clients: int, requests: int, new: int, pids) -> dict:
+    """:func:`round_of`, with each worker process's CPU seconds over the round's wall time
+    (``worker_busy``, one figure per pid): how much of the round each core computed."""
+    import psutil
+
+    procs = [psutil.Process(p) for p in pids]
+    before = [sum(p.cpu_times()[:2]) for p in procs]
+    r = round_of(send, clients, requests, new)
+    wall = clients * requests * new / r["tokens_per_s"]
+    r["worker_busy"] = [(sum(p.cpu_times()[:2]) - b) / wall for p, b in zip(procs, before)]
+    return r
+
+
 def median_round(runs: list[dict]) -> dict:
     """The round of median throughput among ``runs``, with every run's figure beside it."""
     ranked = sorted(runs, key=lambda r: r["tokens_per_s"])
@@ -131,7 +145,7 @@ def bench_tfnb(model, prompt_ids, requests: int, new: int, predict: bool = True,
             runs = {name: [] for name in placed}
             for _ in range(REPEATS_AT if c == PREDICT_AT else 1):
                 for name, send in placed.items():
-                    runs[name].append(round_of(send, c, requests, new))
+                    runs[name].append(busy_round(send, c, requests, new, cluster.local.pids))
             for name in placed:
                 results[name]["rounds"].append(median_round(runs[name]))
             print(c, {n: round(results[n]["rounds"][-1]["tokens_per_s"], 1) for n in placed},
@@ -242,6 +256,17 @@ def summary(results: dict) -> str:
         if n in rate and rpc:
             lines.append(f"- {n} / llama.cpp RPC at {PREDICT_AT} requests: {rate[n] / rpc:.2f}x "
                          "(target >= 1x)")
+    busy = {n: r["rounds"][at]["worker_busy"] for n, r in results.items()
+            if "worker_busy" in r["rounds"][at]}
+    if busy:
+        lines.append(f"- CPU time of each worker over the wall time of that round (worker 0, 1): "
+                     + "; ".join(f"{n} " + ", ".join(f"{b:.0%}" for b in bs)
+                                 for n, bs in busy.items()))
+    one_cpu = sum(busy.get("tfnb 1 worker", [])) / one if one and busy else None
+    for n in ("tfnb split", "tfnb replicas"):
+        if one_cpu and n in busy:  # CPU seconds per token, against one worker's
+            per_token = sum(busy[n]) / rate[n] / one_cpu
+            lines.append(f"- {n}: both workers' CPU time per token {per_token:.2f}x one worker's")
     for n, r in results.items():
         if "predicted_at_8" in r:
             p = r["predicted_at_8"]
