@@ -25,10 +25,12 @@ a core, and their rounds interleave (the single worker is worker 0 alone):
   ``ggml-rpc-server``s on cores 0 and 1; requests through its OpenAI API.
 
 For the tfnb configurations the planner's predicted throughput at 8 concurrent requests is set
-beside the measurement: ``tfnb.plan(..., prompt_len=..., new_tokens=...)``, its stage times
-calibrated on the workers at the batch each lane or copy then runs, and each request's prefill
-timed there too (the figure counts both); its decode steps' rate alone is given as well. The machine is shared and noisy: compare the ratios of one run. Writes
-``benchmarks/results/serving.md`` and ``.json``.
+beside the measurement: ``tfnb.plan(..., prompt_len=..., new_tokens=...)`` calibrates the stage
+times on the workers at the batch each lane or copy then runs, and each request's prefill too
+(the figure counts both); the figure is that of the placed plan (``Plan.from_assignment`` on
+the calibrated topology), with the planner's own plan beside it where it cuts elsewhere, and
+its decode steps' rate alone is given as well. The machine is shared and noisy: compare the
+ratios of one run. Writes ``benchmarks/results/serving.md`` and ``.json``.
 
 Run::
 
@@ -124,11 +126,13 @@ def bench_tfnb(model, prompt_ids, requests: int, new: int, predict: bool = True,
     of the machine, which can last a minute here, then falls on every configuration alike and
     leaves their ratios be."""
     import tfnb
+    from tfnb.placement import Plan
+    from tfnb.placement.planners import as_topology
 
     configs = [c for c in CONFIGS if not only or c[0].split()[-1] in only]
     cluster = tfnb.local(2, cpus=["0", "1"])
     try:
-        placed, results = {}, {}
+        placed, results, assignments = {}, {}, {}
         for name, n_workers, how in configs:
             devices = list(cluster.devices[:n_workers])
             plan = tfnb.plan(model, cluster, calibrate=False, devices=devices, **how)
@@ -139,6 +143,7 @@ def bench_tfnb(model, prompt_ids, requests: int, new: int, predict: bool = True,
             placed[name] = (lambda pm=pm: len(pm.generate_ids(prompt_ids, max_new_tokens=new)))
             results[name] = {"rounds": [], "plan": str(plan.segments()),
                              "lanes": len(copies) * len(copies[0].scheduler.lanes)}
+            assignments[name] = plan.assignment
         for c in CONCURRENCY:
             for name in placed:  # compiles the batch and window sizes the round reaches
                 round_of(placed[name], c, requests, new)
@@ -157,13 +162,22 @@ def bench_tfnb(model, prompt_ids, requests: int, new: int, predict: bool = True,
             # (256 slots), the prefill of this prompt timed too
             batch = PREDICT_AT if how.get("mode") == "replicate" else \
                 PREDICT_AT // results[name]["lanes"]
+            devices = list(cluster.devices[:n_workers])
             try:
-                predicted = tfnb.plan(model, cluster, batch=batch, context_len=256,
-                                      prompt_len=len(prompt_ids), new_tokens=new,
-                                      devices=list(cluster.devices[:n_workers]), **how)
+                planned = tfnb.plan(model, cluster, batch=batch, context_len=256,
+                                    prompt_len=len(prompt_ids), new_tokens=new,
+                                    devices=devices, **how)
+                predicted = planned
+                if not planned.replicas:  # the figures of the measured cut, which the planner
+                    # may have drawn elsewhere (the topology is the one it calibrated, cached)
+                    topo = as_topology(cluster, model, batch, 256, len(prompt_ids), devices)
+                    predicted = Plan.from_assignment(model.chain, assignments[name], topo, batch,
+                                                     256, prompt_len=len(prompt_ids),
+                                                     new_tokens=new)
                 results[name].update(predicted_at_8=predicted.prediction.throughput,
                                      predicted_decode_at_8=predicted.prediction.decode_throughput,
-                                     predicted_plan=str(predicted.segments()))
+                                     planned=str(planned.segments()),
+                                     planned_at_8=planned.prediction.throughput)
             except tfnb.errors.PlacementError as e:
                 print(name, "no prediction:", e, flush=True)
             print(name, results[name].get("predicted_at_8"), flush=True)
@@ -272,7 +286,10 @@ def summary(results: dict) -> str:
             p = r["predicted_at_8"]
             lines.append(f"- {n}: planner predicted {p:.1f} tokens/s at {PREDICT_AT} requests "
                          f"(prefills included; decode steps alone {r['predicted_decode_at_8']:.1f}),"
-                         f" measured {rate[n]:.1f} ({rate[n] / p - 1:+.0%}); {r['lanes']} lane(s)")
+                         f" measured {rate[n]:.1f} ({rate[n] / p - 1:+.0%}); {r['lanes']} lane(s)"
+                         + ("" if r.get("planned") in (None, r.get("plan")) else
+                            f"; the planner's own cut {r['planned']} predicts "
+                            f"{r['planned_at_8']:.1f}"))
     return "\n".join(lines)
 
 
