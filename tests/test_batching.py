@@ -2,7 +2,6 @@
 model, one lane per worker), each gets the tokens it gets alone, and arrivals join a running
 batch without recompiling."""
 import threading
-import time
 
 import pytest
 
@@ -36,14 +35,8 @@ def test_concurrent_callers_share_a_batch_and_get_their_own_tokens(single):
 
 
 def test_arrivals_do_not_recompile_once_the_buckets_are_warm(single):
-    """Requests that arrive together prefill in one call, compiled once per number of rows
-    (1, 2, 4 or 8) and prompt bucket: once a burst of each size has run (PROMPTS: buckets 16
-    and 32, the longer one first or not), concurrent arrivals compile nothing."""
     placed, expected = single
     concurrently(lambda p: placed.generate_ids(p, max_new_tokens=N), PROMPTS)
-    long, short = PROMPTS[2], [p for p in PROMPTS if p != PROMPTS[2]]
-    for prompts in (short[:2], short[:4], [long, short[0]], [long, *short[:3]]):
-        burst(placed, prompts)
     graphs = placed.scheduler.lanes[0].program.graphs
     before = {k: g.experimental_get_tracing_count() for k, g in graphs.items()}
     assert concurrently(lambda p: placed.generate_ids(p, max_new_tokens=N), PROMPTS) == expected
@@ -76,43 +69,6 @@ def test_a_request_joins_and_leaves_while_a_stream_is_open(single):
     assert [t for p in pieces for t in p] == alone
     assert other["short"] == expected[PROMPTS[1]][:8] and other["long"] == long_alone
     assert lane.shifts > shifts  # the long prompt needed more slots before the stream's slot
-
-
-def burst(placed, prompts, max_new_tokens=N):
-    """``prompts`` sent at once while the lane is busy with a stream, all queued before it
-    takes any: they join it together. Returns their tokens and the lane's prefill calls
-    made meanwhile."""
-    lane = placed.scheduler.lanes[0]
-    long_eos, placed.eos_ids = placed.eos_ids, ()
-    got = {}
-    try:
-        stream = placed.generate_ids(PROMPTS[0], max_new_tokens=60, stream=True, chunk_tokens=4)
-        next(stream)
-        with lane.lock:  # the lane waits between two calls while they queue
-            sent = threading.Thread(target=lambda: got.update(concurrently(
-                lambda p: placed.generate_ids(p, max_new_tokens=max_new_tokens), prompts)))
-            sent.start()
-            deadline = time.monotonic() + 30
-            while len(lane.pending) < len(prompts) and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert len(lane.pending) == len(prompts)
-            prefills = lane.prefills
-        sent.join(120)
-        list(stream)
-    finally:
-        placed.eos_ids = long_eos
-    return got, lane.prefills - prefills
-
-
-def test_requests_queued_together_prefill_in_one_call(single):
-    """Four requests that queue while the lane is busy join it with one prefill call, not
-    four, and each still gets exactly the tokens it gets alone."""
-    placed, expected = single
-    got, prefills = burst(placed, PROMPTS[1:5])
-    assert got == {p: expected[p] for p in PROMPTS[1:5]}
-    assert prefills == 1
-    assert placed.scheduler.status()["lanes"][0]["prefills"] == \
-        placed.scheduler.lanes[0].prefills
 
 
 def test_mixed_sampling_in_one_batch(single):

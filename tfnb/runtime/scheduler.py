@@ -2,21 +2,19 @@
 
 Every generate call on a ``PlacedModel`` becomes a :class:`Ticket` (one sequence per prompt)
 that a :class:`Lane` takes into free rows of its caches. A lane's driver thread loops: admit
-waiting tickets (a prefill call writes their keys into free rows at the lane's current slot;
-requests of one prompt queued together share one call), then run a chunk of decode steps for
-every busy row at once. Sequences join and leave between chunks, so concurrent callers
-(threads, background cells, HTTP clients) share the batch without waiting for each other.
+waiting tickets (one prefill call each, which writes their keys into free rows at the lane's
+current slot), then run a chunk of decode steps for every busy row at once. Sequences join and
+leave between chunks, so concurrent callers (threads, background cells, HTTP clients) share
+the batch without waiting for each other to finish.
 
 All busy rows of a lane write the same cache slot each step; a row that joins at slot ``s``
 with a prompt of ``n`` tokens is left-padded to ``pad = s - n`` (the runtime's usual padding,
 :mod:`tfnb.runtime.llama`), so its tokens, positions and attention are exactly those of the
 prompt alone. When the slot would run past the caches, the busy rows are moved to the front
 (:func:`tfnb.runtime.graphs.shift_function`), which the padding makes invisible. Shapes stay
-bucketed: busy rows to a power of two, the attended window to 64, 128, 256 ... slots, a
-prefill's rows to a power of two and its prompt length to 16 tokens (and a chain's unrolled
-chunks to 1, 2, 4, 8 or 16 steps), so arrivals never recompile once those buckets are warm.
-Each new bucket compiles once per lane: a prefill of a new row count took 7-10 s the first
-time on SmolLM2 (one or two one-core workers), then 456 ms for 4 rows of 48 tokens.
+bucketed: busy rows to a power of two, the attended window to 64, 128, 256 ... slots (and a
+chain's unrolled chunks to 1, 2, 4, 8 or 16 steps), so arrivals never recompile once those
+buckets are warm.
 
 A split placement gets one lane per device in the chain. Probed on TF 2.21 with SmolLM2 split
 over two local workers pinned to one core each: one 32-step chunk alone ran 28.5 ms per step;
@@ -42,13 +40,6 @@ inputs had arrived: 8 clients on the split gave 1.21-1.50x one worker with it an
 without (two processes of 3 rounds each). Decode alone is near its ceiling there: a worker's
 round is one stage call per lane, 4 rows over half the model (about 12 ms), against one
 worker's 8 rows over the whole model (about 36 ms).
-
-Why micro-batches are not pipelined inside one graph instead: TF runs a single function's
-calls to other workers almost one after another even where no dependency orders them. Probed
-with 4 micro-batches through two workers' stages in one function: 528-558 ms compiled (431-486
-not compiled) against 531-696 ms for the calls one by one, where overlapped stages would take
-332-435 ms; a prefill cut into 4 such parts on the split took 488-622 ms against 549-592 ms
-whole. Two lanes driven by two client threads are what overlaps the workers.
 
 Examples
 --------
@@ -191,8 +182,8 @@ class Lane:
         The caches' size (rows x slots); 0 before the first request.
     seqs : list
         The sequence in each row, or None for a free row.
-    steps, calls, prefills, shifts : int
-        Decode steps, device calls, prefill calls and cache moves run so far.
+    steps, calls, shifts : int
+        Decode steps, device calls and cache moves run so far.
     peak_rows : int
         The most rows busy at once so far.
     """
@@ -208,12 +199,12 @@ class Lane:
         self.seqs: list[Seq | None] = []
         self.owners: list[Ticket | None] = []
         self.slot = 0
-        self.steps = self.calls = self.prefills = self.shifts = self.peak_rows = 0
+        self.steps = self.calls = self.shifts = self.peak_rows = 0
         # (start ns, end ns, steps, rows B, window) of recent decode calls: what a profile
         # reads to know how many cache slots each step read (tfnb.profiler.bound)
         self.chunks: deque = deque(maxlen=4096)
         self.thread: threading.Thread | None = None
-        self.joining: list[Ticket] = []  # tickets taken from the queue, prefilling now
+        self.joining: Ticket | None = None
 
     # ----- state ---------------------------------------------------------------------------
 
@@ -223,7 +214,9 @@ class Lane:
     def load(self) -> int:
         """Rows in use plus rows waiting: where the scheduler sends the next ticket (called
         with the scheduler's condition held, which guards ``pending``)."""
-        return self.busy_rows() + sum(len(t.seqs) for t in [*self.pending, *self.joining])
+        joining = self.joining
+        return self.busy_rows() + sum(len(t.seqs) for t in self.pending) + (
+            len(joining.seqs) if joining is not None else 0)
 
     def _free(self, ticket: Ticket) -> None:
         for row, owner in enumerate(self.owners):
@@ -280,8 +273,8 @@ class Lane:
     def _fail(self, error: BaseException) -> None:
         """Hand ``error`` to every ticket in the lane; queued ones too when the placement is
         lost (they cannot run either)."""
-        failed = {id(t): t for t in self.owners + self.joining if t is not None}
-        self.joining = []
+        failed = {id(t): t for t in self.owners + [self.joining] if t is not None}
+        self.joining = None
         if self.pm.lost or isinstance(error, WorkerLostError):
             with self.cond:
                 while self.pending:
@@ -312,33 +305,10 @@ class Lane:
                 raise WorkerLostError(self.pm.lost)
             if not self._make_room(ticket):
                 return  # it waits for busy rows to finish (first come, first served)
-            with self.cond:  # counted in load() until they hold rows; a failing prefill fails them
-                self.pending.popleft()
-                self.joining = [ticket] + self._followers(ticket)
-            self._prefill(self.joining)
-            self.joining = []
-
-    def _followers(self, head: Ticket) -> list[Ticket]:
-        """The tickets queued right behind ``head`` that can prefill in its call (called with
-        the condition held; they leave the queue): one prompt each, as many as make a power of
-        two with ``head``, each fitting before the write slot and within the caches, their rows
-        free in one block. A burst of requests so prefills in one call rather than one each:
-        probed on SmolLM2, one one-core worker, 4 prompts of 37 tokens took 473-511 ms in one
-        call against 560-613 ms in four (and 450-496 against 542-592 split over two workers)."""
-        if len(head.seqs) != 1:
-            return []
-        fits = []
-        for t in self.pending:
-            if (t.cancelled or len(t.seqs) != 1 or t.P > self.slot
-                    or self.slot + t.max_new > self.slots):
-                break
-            fits.append(t)
-        n = 1 << (len(fits) + 1).bit_length() - 1  # head and followers: a power of two
-        while n > 1 and (n > self.rows or self._free_block(n) is None):
-            n //= 2
-        for _ in range(n - 1):
-            self.pending.popleft()
-        return fits[:n - 1]
+            with self.cond:  # counted in load() until it holds rows; a failing prefill fails it
+                self.joining = self.pending.popleft()
+            self._prefill(ticket)
+            self.joining = None
 
     def _make_room(self, ticket: Ticket) -> bool:
         """Rows and slots for ``ticket`` (the caches grow, or move, only when that is needed);
@@ -399,35 +369,28 @@ class Lane:
                 return start
         return None
 
-    def _prefill(self, tickets: list[Ticket]) -> None:
-        """One prefill call for ``tickets``' prompts, into a block of free rows."""
-        pm, P = self.pm, max(t.P for t in tickets)
-        seqs = [(t, seq) for t in tickets for seq in t.seqs]
-        n = bucket(len(seqs), 1, fine=False)
+    def _prefill(self, ticket: Ticket) -> None:
+        pm, P = self.pm, ticket.P
+        n = bucket(len(ticket.seqs), 1, fine=False)
         first = self._free_block(n)
         ids = np.full((n, P), pm.pad_id, np.int32)
         pad = np.full((n,), P - 1, np.int32)
-        floats = np.tile(np.float32([0.0, 1.0]), (n, 1))
-        ints = np.zeros((n, 2), np.int32)
-        for i, (t, seq) in enumerate(seqs):
+        for i, seq in enumerate(ticket.seqs):
             ids[i, P - len(seq.ids):] = seq.ids
             pad[i] = P - len(seq.ids)
-            floats[i], ints[i] = t.floats, t.ints
-        done = np.arange(n) >= len(seqs)
-        mode = max((t.mode for t in tickets), key=_MODES.index)  # temperature 0 rows: greedy
-        now = time.perf_counter()
-        for t in tickets:
-            t.started = now
-        tok, _ = pm.run(self.program.prefill_fn(mode),
+        done = np.arange(n) >= len(ticket.seqs)
+        floats = np.tile(np.float32(ticket.floats), (n, 1))
+        ints = np.tile(np.int32(ticket.ints), (n, 1))
+        ticket.started = time.perf_counter()
+        tok, _ = pm.run(self.program.prefill_fn(ticket.mode),
                         (ids, pad, np.int32(self.slot - P), np.int32(first), done, floats, ints),
                         what="generate", lock=self.lock)
         self.calls += 1
-        self.prefills += 1
-        for i, (t, seq) in enumerate(seqs):
+        for i, seq in enumerate(ticket.seqs):
             seq.row, seq.pad = first + i, self.slot - len(seq.ids)
-            self.seqs[seq.row], self.owners[seq.row] = seq, t
+            self.seqs[seq.row], self.owners[seq.row] = seq, ticket
         self.peak_rows = max(self.peak_rows, self.busy_rows())
-        self._deliver(tok[None], tickets, first_row=first)
+        self._deliver(tok[None], [ticket], first_row=first)
 
     def _step(self) -> None:
         pm = self.pm
@@ -557,7 +520,7 @@ class Scheduler:
 
         ``lanes``: per lane its ``rows`` and ``slots`` (the caches' size), ``rows_in_use``,
         ``waiting`` (requests queued) and ``waiting_rows``, the write ``slot``, counters
-        ``steps``/``calls``/``prefills``/``shifts``/``peak_rows`` and whether its driver ``running``.
+        ``steps``/``calls``/``shifts``/``peak_rows`` and whether its driver ``running``.
         ``requests``: every request in flight (``state`` waiting, prefill or decoding), as
         :meth:`Ticket.summary` gives them, oldest first; ``recent``: the last finished ones
         (``state`` their outcome, ``ended_at`` a ``time.time()``).
@@ -572,7 +535,7 @@ class Scheduler:
         """
         now = time.perf_counter()
         with self.cond:
-            queued = [(list(lane.pending), list(lane.joining)) for lane in self.lanes]
+            queued = [(list(lane.pending), lane.joining) for lane in self.lanes]
             recent = list(self.recent)
         lanes, requests = [], []
         for lane, (pending, joining) in zip(self.lanes, queued):
@@ -580,8 +543,8 @@ class Scheduler:
             running = [t for t in dict.fromkeys(o for o in owners if o is not None)
                        if t.ended is None]
             requests += [t.summary(now, "decoding") for t in running]
-            requests += [t.summary(now, "prefill") for t in joining
-                         if t.ended is None and t not in running]
+            if joining is not None and joining.ended is None and joining not in running:
+                requests.append(joining.summary(now, "prefill"))
             requests += [t.summary(now, "waiting") for t in pending if t.ended is None]
             thread = lane.thread
             lanes.append({"lane": lane.index, "rows": lane.rows, "slots": lane.slots,
@@ -589,7 +552,6 @@ class Scheduler:
                           "waiting": len(pending),
                           "waiting_rows": sum(len(t.seqs) for t in pending),
                           "slot": lane.slot, "steps": lane.steps, "calls": lane.calls,
-                          "prefills": lane.prefills,
                           "shifts": lane.shifts, "peak_rows": lane.peak_rows,
                           "running": thread is not None and thread.is_alive()})
         requests.sort(key=lambda r: r["id"])
