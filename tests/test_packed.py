@@ -190,6 +190,56 @@ def test_portable_and_avx2_code_agree_with_this_cpus_best(tmp_path):
             np.testing.assert_allclose(outs[env][key][1:], xin @ ref.T, atol=tol, rtol=0)
 
 
+_CONCURRENT = """
+import os, sys, threading, time, numpy as np, tensorflow as tf
+from tfnb import kernels
+w = tf.constant(np.load(sys.argv[1])["w"])
+C, Q8_0 = 576, kernels.QTYPES["Q8_0"]
+
+@tf.function(jit_compile=True)
+def layers(x):
+    for _ in range(8):
+        wide = tf.tanh(tf.tile(x, [256, 8]))  # a loop XLA spreads over its pool, whose thread
+        x = x + tf.reduce_mean(tf.reshape(wide, [256, 4, 8 * C]), 0)[:, :C] * 1e-3  # runs on
+        x = kernels.packed_matmul(x, w, Q8_0, C)[:, :C] * 1e-3  # into the packed matmul
+    return x
+
+x = tf.constant(np.random.default_rng(1).standard_normal((4, C)).astype(np.float32))
+alone = layers(x).numpy()
+results = []
+def run():
+    results.extend(layers(x).numpy() for _ in range(40))
+threads = [threading.Thread(target=run, daemon=True) for _ in range(4)]
+for t in threads:
+    t.start()
+deadline = time.monotonic() + 90  # about 6 s on 2 cores
+for t in threads:
+    t.join(max(0.0, deadline - time.monotonic()))
+finished = not any(t.is_alive() for t in threads)
+print(len(results), finished and all(np.array_equal(r, alone) for r in results), flush=True)
+os._exit(0)  # threads stuck in C++ would keep a normal exit waiting
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2,
+                    reason="needs 2 CPUs: with one, XLA's pool has one thread and the packed "
+                           "matmul never splits its rows")
+def test_packed_matmuls_of_concurrent_computations_all_finish(tmp_path):
+    """Two lanes of a split run their stages at once on one worker. XLA runs a computation's
+    next thunks on the pool thread that finished a parallel loop, so the packed matmul's caller
+    is often a pool thread; when it waited for its queued row shards, 4 computations on a 2-core
+    pool left every thread waiting and the worker spun for ever (a served split stopped
+    answering). Each of 4 threads runs 40 computations, with the result of one alone."""
+    rng = np.random.default_rng(0)
+    w_MxR, _ = packed_rows(rng.standard_normal((1536, 576)).astype(np.float32), "Q8_0")
+    np.savez(tmp_path / "w.npz", w=w_MxR)
+    out = subprocess.run([sys.executable, "-c", _CONCURRENT, str(tmp_path / "w.npz")],
+                         capture_output=True, text=True, timeout=240,
+                         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    # "160 True": every computation finished, each with the result of one alone
+    assert out.stdout.split()[-2:] == ["160", "True"], out.stdout[-500:] + out.stderr[-2000:]
+
+
 @pytest.mark.parametrize("name", ["Q4_1", "Q8_0"])
 def test_many_rows_go_through_a_dequantized_dot_with_the_same_result(name):
     """A prefill's matmul (``DEQUANTIZE_ROWS`` rows or more) takes the dequantize-then-dot
