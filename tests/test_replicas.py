@@ -90,3 +90,28 @@ def test_a_replica_whose_worker_dies_is_dropped_and_the_other_keeps_serving(own_
     finally:
         own_workers.restart(1)
         cluster.reconnect()
+
+
+
+def test_a_request_keeps_its_tries_when_its_first_replica_is_dropped(own_workers, setup):
+    """The request goes first to the replica whose worker died (the other is busy with a
+    stream) and that replica is dropped. The survivor's next call can then fail too, though its
+    worker is up ('Failed copying input tensor from /job:tfnb_client/... to .../task:0 ...:
+    recvmsg:Connection reset by peer'; 1 of 2 runs failed so before the fix). The request keeps
+    its tries: one per replica and one more, counted from the start."""
+    cluster, model, placed, expected = setup
+    for p in PROMPTS[:2]:
+        placed.generate_ids(p, max_new_tokens=24)
+    busy = placed.generate_ids(PROMPTS[2], max_new_tokens=24, stream=True, chunk_tokens=4)
+    assert next(busy) == expected[PROMPTS[2]][:4]  # in flight on replica 0 while read
+    assert placed.in_flight == {cluster.devices[0]: 1, cluster.devices[1]: 0}
+    own_workers.kill(1)
+    try:
+        with pytest.warns(ReplicaLostWarning, match="task:1"):
+            got = placed.generate_ids(PROMPTS[3], max_new_tokens=24)
+        assert got == expected[PROMPTS[3]]
+        assert placed.devices == [cluster.devices[0]]
+    finally:
+        busy.close()
+        own_workers.restart(1)
+        cluster.reconnect()
