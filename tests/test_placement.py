@@ -379,16 +379,21 @@ def test_a_worker_slowed_by_other_work_gets_its_own_stage_times():
         try:
             d0, d1 = c.devices
             from tfnb.placement import clear_cache
-            for _ in range(3):  # a calibration on this busy machine can miss the spinner once
+            # A calibration on this busy machine can miss the spinner once, or time one stage
+            # of worker 1 in a burst of other work, so that the planner rightly moves it.
+            for _ in range(3):
                 topo = as_topology(c, model, 1, 64)
                 slow, fast = (sum(topo.stage_times[(s, d)] for s in model.chain.names)
                               for d in (d0, d1))
-                if slow > fast * 1.3:
+                assignment = plan(model, c, context_len=64).assignment
+                if slow > fast * 1.3 and set(assignment.values()) == {d1}:
                     break
                 clear_cache()
             assert slow > fast * 1.3, (slow, fast)
             assert len(topo.classes()) == 2
-            assert set(plan(model, c, context_len=64).assignment.values()) == {d1}
+            moved = {s: (topo.stage_times[(s, d0)], topo.stage_times[(s, d1)])
+                     for s, d in assignment.items() if d != d1}
+            assert not moved, f"stages on the slowed worker (s there, s on the other): {moved}"
             assert set(plan(model, c, mode="memory", context_len=64).assignment.values()) == {d0}
         finally:
             c.stop()
