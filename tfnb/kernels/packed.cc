@@ -12,11 +12,13 @@
 // a SmolLM2 step's matmuls ran 1.4x (batch 1) to 2x (batch 2) faster, but the rounding moved
 // its logits by about 4% of their spread and flipped a near-tie greedy token, so it is opt-in
 // (benchmarks/results/kernel.md). Where the float route runs its AVX-512 code, the int8 route
-// (AVX2 code only) is no faster: 10.9 against 10.7 ms at batch 1 on a Zen 5 core.
+// (AVX2 code only) was no faster on a Zen 5 core (10.9 against 10.7 ms at batch 1), and 1.29x
+// faster on a KVM Xeon core with AVX-512 (11.1 against 14.3 ms).
 // Rows are sharded over the process's intra-op threads. The code is chosen at run time:
 // AVX-512 (F, BW, VL) for up to 8 activation rows on the float route when the CPU has it,
 // AVX2+FMA+F16C for the rest, portable C++ on other CPUs.
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -123,6 +125,19 @@ void DequantRow(int qtype, const uint8_t* row, int64_t cols, float* out) {
       }
       return;
   }
+}
+
+// Weights stream from memory once per step: each row loop asks for the bytes kPrefetchAhead
+// past the row it works on. Hardware prefetchers stop at the end of a 4 KB page, and TF's
+// buffers sit on 4 KB pages. Probed on a 2-core KVM Xeon (AVX-512, AMX), SmolLM2's Q4_1
+// matmuls in one XLA function (84 MB), one core, 1 / 4 / 8 activation rows: 23-31 / 38 / 37-39
+// ms per step without, 13-14 / 18-19 / 27-28 with 2 KB ahead (as fast with 1.4 to 23 KB). The
+// lines a loop then reads cost one instruction each to ask for.
+constexpr int64_t kPrefetchAhead = 2048;
+
+inline void PrefetchRow(const uint8_t* row, int64_t row_bytes, const uint8_t* end) {
+  const uint8_t* stop = std::min(row + kPrefetchAhead + row_bytes, end);
+  for (const uint8_t* p = row + kPrefetchAhead; p < stop; p += 64) __builtin_prefetch(p, 0, 3);
 }
 
 // y[n] = dot(row, x[n]) for n < N; `scratch` holds `cols` floats.
@@ -302,6 +317,7 @@ TFNB_AVX2 void TiledRowsAvx2(const uint8_t* w, int64_t row_bytes, int64_t cols, 
   for (int64_t m = m0; m < m1; m += kMR) {
     const int mr = static_cast<int>(std::min<int64_t>(kMR, m1 - m));
     const float* rows = reinterpret_cast<const float*>(w + m * row_bytes);
+    PrefetchRow(w + m * row_bytes, mr * row_bytes, w + m1 * row_bytes);
     if (QT != kF32) {
       for (int i = 0; i < mr; ++i) {
         if (QT == kF16) {
@@ -330,6 +346,7 @@ void RowsAvx2(const uint8_t* w, int64_t row_bytes, int64_t cols, const float* x,
   float out[kMaxN];
   for (int64_t m = m0; m < m1; ++m) {
     const uint8_t* row = w + m * row_bytes;
+    PrefetchRow(row, row_bytes, w + m1 * row_bytes);
     switch (N) {
       case 5: DotRowAvx2<QT, 5>(row, cols, x, cols, out); break;
       case 4: DotRowAvx2<QT, 4>(row, cols, x, cols, out); break;
@@ -422,6 +439,7 @@ void RowsAvx512(const uint8_t* w, int64_t row_bytes, int64_t cols, const float* 
   float out[kMaxN512];
   for (int64_t m = m0; m < m1; ++m) {
     const uint8_t* row = w + m * row_bytes;
+    PrefetchRow(row, row_bytes, w + m1 * row_bytes);
     switch (N) {
 #define TFNB_CASE(K) case K: DotRowAvx512<QT, K>(row, cols, x, out); break;
       TFNB_CASE(1) TFNB_CASE(2) TFNB_CASE(3) TFNB_CASE(4)
@@ -542,6 +560,7 @@ void RowsQ8Portable(int qtype, const uint8_t* w, int64_t row_bytes, const Quanti
   const int64_t nb = xq.nb;
   int8_t code[kBlock];
   for (int64_t m = m0; m < m1; ++m) {
+    PrefetchRow(w + m * row_bytes, row_bytes, w + m1 * row_bytes);
     for (int64_t n = 0; n < xq.n; ++n) {
       const uint8_t* blk = w + m * row_bytes;
       float acc = 0.f, off_acc = 0.f;
@@ -643,6 +662,7 @@ void RowsQ8Avx2N(const uint8_t* w, int64_t row_bytes, const QuantizedRows& xq, i
                  float* y, int64_t M, int64_t m0, int64_t m1, float* off) {
   float out[NN];
   for (int64_t m = m0; m < m1; ++m) {
+    PrefetchRow(w + m * row_bytes, row_bytes, w + m1 * row_bytes);
     DotRowQ8Avx2<QT, NN>(w + m * row_bytes, xq, n0, off, out);
     for (int n = 0; n < NN; ++n) y[(n0 + n) * M + m] = out[n];
   }
@@ -706,8 +726,10 @@ void Rows(int qtype, const uint8_t* w, int64_t row_bytes, int64_t cols, const fl
   }
 #endif
   std::unique_ptr<float[]> scratch(new float[cols]);
-  for (int64_t m = m0; m < m1; ++m)
+  for (int64_t m = m0; m < m1; ++m) {
+    PrefetchRow(w + m * row_bytes, row_bytes, w + m1 * row_bytes);
     DotRowPortable(qtype, w + m * row_bytes, cols, x, N, y + m, M, scratch.get());
+  }
 }
 
 // y = x @ dequantize(w).T, rows of w split by `parallel_for(fn)`, which calls fn(m0, m1) on
