@@ -92,7 +92,6 @@ def test_a_replica_whose_worker_dies_is_dropped_and_the_other_keeps_serving(own_
         cluster.reconnect()
 
 
-
 def test_a_request_keeps_its_tries_when_its_first_replica_is_dropped(own_workers, setup):
     """The request goes first to the replica whose worker died (the other is busy with a
     stream) and that replica is dropped. The survivor's next call can then fail too, though its

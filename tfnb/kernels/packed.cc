@@ -130,9 +130,9 @@ void DequantRow(int qtype, const uint8_t* row, int64_t cols, float* out) {
 // Weights stream from memory once per step: each row loop asks for the bytes kPrefetchAhead
 // past the row it works on. Hardware prefetchers stop at the end of a 4 KB page, and TF's
 // buffers sit on 4 KB pages. Probed on a 2-core KVM Xeon (AVX-512, AMX), SmolLM2's Q4_1
-// matmuls in one XLA function (84 MB), one core, 1 / 4 / 8 activation rows: 23-31 / 38 / 37-39
-// ms per step without, 13-14 / 18-19 / 27-28 with 2 KB ahead (as fast with 1.4 to 23 KB). The
-// lines a loop then reads cost one instruction each to ask for.
+// matmuls in one XLA function (84 MB), one core, 1 / 4 / 8 activation rows: 23-34 / 36-39 /
+// 37-39 ms per step without, 13-15 / 18-19 / 27-28 with 2 KB ahead (about as fast with 1.4 to
+// 23 KB). The lines a loop then reads cost one instruction each to ask for.
 constexpr int64_t kPrefetchAhead = 2048;
 
 inline void PrefetchRow(const uint8_t* row, int64_t row_bytes, const uint8_t* end) {
