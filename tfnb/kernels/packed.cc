@@ -359,35 +359,47 @@ void RowsAvx2(const uint8_t* w, int64_t row_bytes, int64_t cols, const float* x,
 }
 
 // ---- AVX-512: a block is two vectors of 16 ----------------------------------------------
-// The same decode as DecodeBlock (w = q * d + offset, so the weights are bit for bit those of
-// the AVX2 and portable code) in half the instructions: a block of 32 is two zmm vectors, and
-// with 32 registers up to 8 activation rows keep their accumulators in registers. On a Zen 5
-// core, SmolLM2's matmuls (one XLA function, Q4_1): see benchmarks/results/kernel.md.
+// The same weights as DecodeBlock (w = q * d + offset, bit for bit those of the AVX2 and
+// portable code) in fewer instructions: a Q4 block's 16 possible values are computed once as
+// a table (one FMA) and its 32 codes look them up (vpermps), and Q4_1's two halves d and m
+// convert in one instruction. A block of 32 is two zmm vectors, and with 32 registers up to 8
+// activation rows keep their accumulators in registers. SmolLM2's matmuls (one XLA function,
+// Q4_1, one core): see benchmarks/results/kernel.md.
 #define TFNB_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
 
 constexpr int kMaxN512 = 8;
 
 template <int QT>
 TFNB_AVX512 inline void DecodeBlock512(const uint8_t* blk, __m512* w) {
-  const float d = HalfToFloatF16C(blk);
-  const __m512 dv = _mm512_set1_ps(d);
   if (QT == kQ8_0) {
+    const __m512 dv = _mm512_set1_ps(HalfToFloatF16C(blk));
     for (int k = 0; k < 2; ++k)
       w[k] = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
           _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 + 16 * k)))));
-  } else {
-    const __m128i bytes =
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (QT == kQ4_1 ? 4 : 2)));
-    const __m128i mask = _mm_set1_epi8(0x0f);
-    const __m512 off = _mm512_set1_ps(QT == kQ4_1 ? HalfToFloatF16C(blk + 2) : -8.f * d);
-    w[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, mask))),
-                           dv, off);
-    w[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                               _mm_and_si128(_mm_srli_epi16(bytes, 4), mask))), dv, off);
+    return;
   }
+  // Byte j of the 16 holds codes j (low nibble) and j + 16 (high nibble).
+  const __m512i codes = _mm512_cvtepu8_epi32(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (QT == kQ4_1 ? 4 : 2))));
+  __m512 dv, off;
+  if (QT == kQ4_1) {
+    uint32_t dm;
+    std::memcpy(&dm, blk, 4);
+    const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dm)));  // d, m
+    dv = _mm512_broadcastss_ps(f);
+    off = _mm512_broadcastss_ps(_mm_movehdup_ps(f));
+  } else {
+    dv = _mm512_set1_ps(HalfToFloatF16C(blk));
+    off = _mm512_mul_ps(dv, _mm512_set1_ps(-8.f));
+  }
+  const __m512 table = _mm512_fmadd_ps(
+      _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), dv, off);
+  w[0] = _mm512_permutexvar_ps(codes, table);  // vpermps reads the low 4 bits of an index
+  w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table);
 }
 
-// As DotRowAvx2, for up to kMaxN512 rows; float rows need `cols` a multiple of 16.
+// As DotRowAvx2: float rows (up to kMaxN512 activation rows; `cols` a multiple of 16) and
+// quantized rows against one activation row (DotRowsAvx512 takes more).
 template <int QT, int NN>
 TFNB_AVX512 void DotRowAvx512(const uint8_t* row, int64_t cols, const float* x, float* out) {
   constexpr int A = NN == 1 ? 4 : 2;  // accumulators per activation row
@@ -433,20 +445,64 @@ TFNB_AVX512 void DotRowAvx512(const uint8_t* row, int64_t cols, const float* x, 
   }
 }
 
+// MR weight rows against NN (2 or more) activation rows of a quantized matrix: each activation
+// vector loaded feeds MR FMAs. Probed on the KVM Xeon (one core): a 512-bit load from L1
+// issued about once per cycle, so at one weight row the loads, not the FMAs, set the pace;
+// two rows took SmolLM2's matmuls at 8 activation rows from 25-27 to 21-23 ms (four rows
+// at 4 activation rows ran no faster than two).
+template <int QT, int NN, int MR>
+TFNB_AVX512 void DotRowsAvx512(const uint8_t* row, int64_t row_bytes, int64_t cols,
+                               const float* x, float* out) {
+  __m512 acc[MR][NN];
+  for (int r = 0; r < MR; ++r)
+    for (int n = 0; n < NN; ++n) acc[r][n] = _mm512_setzero_ps();
+  const int64_t nb = cols / kBlock;
+  for (int64_t b = 0; b < nb; ++b, row += BlockBytes<QT>()) {
+    __m512 w[MR][2];
+    for (int r = 0; r < MR; ++r) DecodeBlock512<QT>(row + r * row_bytes, w[r]);
+    for (int n = 0; n < NN; ++n) {
+      const float* xb = x + n * cols + b * kBlock;
+      __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+      // Keeps x0 and x1 in registers: otherwise GCC folds the load into every FMA.
+      if (MR > 1) __asm__("" : "+v"(x0), "+v"(x1));
+      for (int r = 0; r < MR; ++r) {
+        acc[r][n] = _mm512_fmadd_ps(w[r][0], x0, acc[r][n]);
+        acc[r][n] = _mm512_fmadd_ps(w[r][1], x1, acc[r][n]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int n = 0; n < NN; ++n) out[r * kMaxN512 + n] = _mm512_reduce_add_ps(acc[r][n]);
+}
+
 template <int QT>
 void RowsAvx512(const uint8_t* w, int64_t row_bytes, int64_t cols, const float* x, int64_t N,
                 float* y, int64_t M, int64_t m0, int64_t m1) {
-  float out[kMaxN512];
-  for (int64_t m = m0; m < m1; ++m) {
+  constexpr bool kQuantized = QT != kF32 && QT != kF16;
+  float out[2 * kMaxN512];
+  for (int64_t m = m0; m < m1;) {
     const uint8_t* row = w + m * row_bytes;
-    PrefetchRow(row, row_bytes, w + m1 * row_bytes);
-    switch (N) {
-#define TFNB_CASE(K) case K: DotRowAvx512<QT, K>(row, cols, x, out); break;
-      TFNB_CASE(1) TFNB_CASE(2) TFNB_CASE(3) TFNB_CASE(4)
-      TFNB_CASE(5) TFNB_CASE(6) TFNB_CASE(7) TFNB_CASE(8)
+    const int mr = kQuantized && N >= 2 && m + 1 < m1 ? 2 : 1;
+    PrefetchRow(row, mr * row_bytes, w + m1 * row_bytes);
+    if constexpr (kQuantized) {
+      switch (N * 2 + mr - 1) {
+        case 2: DotRowAvx512<QT, 1>(row, cols, x, out); break;  // N = 1
+#define TFNB_CASE(K) case 2 * K: DotRowsAvx512<QT, K, 1>(row, row_bytes, cols, x, out); break; \
+                     case 2 * K + 1: DotRowsAvx512<QT, K, 2>(row, row_bytes, cols, x, out); break;
+        TFNB_CASE(2) TFNB_CASE(3) TFNB_CASE(4) TFNB_CASE(5) TFNB_CASE(6) TFNB_CASE(7) TFNB_CASE(8)
 #undef TFNB_CASE
+      }
+    } else {
+      switch (N) {
+#define TFNB_CASE(K) case K: DotRowAvx512<QT, K>(row, cols, x, out); break;
+        TFNB_CASE(1) TFNB_CASE(2) TFNB_CASE(3) TFNB_CASE(4)
+        TFNB_CASE(5) TFNB_CASE(6) TFNB_CASE(7) TFNB_CASE(8)
+#undef TFNB_CASE
+      }
     }
-    for (int64_t n = 0; n < N; ++n) y[n * M + m] = out[n];
+    for (int r = 0; r < mr; ++r)
+      for (int64_t n = 0; n < N; ++n) y[n * M + m + r] = out[r * kMaxN512 + n];
+    m += mr;
   }
 }
 #endif  // TFNB_X86
