@@ -147,8 +147,10 @@ def packed_matmul(x_NxC, w_MxR, qtype: int, cols: int, activations: str = "float
 
     ``activations="int8"`` first rounds each row of ``x`` to blocks of 32 int8 values with a
     float scale ``max|x| / 127`` (as llama.cpp's Q8 activations) and multiplies with integer
-    dot products: faster for Q4_0, Q4_1 and Q8_0 weights, exact for the rounded ``x`` (each
-    value moves by at most half its block's scale). F32 and F16 weights ignore it.
+    dot products for Q4_0, Q4_1 and Q8_0 weights, exact for the rounded ``x`` (each value moves
+    by at most half its block's scale). It was faster on a CPU without AVX-512; on two with it,
+    no faster at 1 row and slower from 4 rows (``benchmarks/results/kernel.md``). F32 and F16
+    weights ignore it.
     """
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations={activations!r}: expected one of {list(ACTIVATIONS)}")

@@ -12,8 +12,9 @@
 // a SmolLM2 step's matmuls ran 1.4x (batch 1) to 2x (batch 2) faster, but the rounding moved
 // its logits by about 4% of their spread and flipped a near-tie greedy token, so it is opt-in
 // (benchmarks/results/kernel.md). Where the float route runs its AVX-512 code, the int8 route
-// (AVX2 code only) was no faster on a Zen 5 core (10.9 against 10.7 ms at batch 1), and 1.29x
-// faster on a KVM Xeon core with AVX-512 (11.1 against 14.3 ms).
+// (AVX2 code only) was no faster on a Zen 5 core (10.9 against 10.7 ms at batch 1); on a KVM
+// Xeon core with AVX-512 it was 1.06x the float route at batch 1 (13.4 against 14.2 ms) and
+// slower from batch 4 (22.2 against 18.3 ms), once the float route decoded through a table.
 // Rows are sharded over the process's intra-op threads. The code is chosen at run time:
 // AVX-512 (F, BW, VL) for up to 8 activation rows on the float route when the CPU has it,
 // AVX2+FMA+F16C for the rest, portable C++ on other CPUs.
