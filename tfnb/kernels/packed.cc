@@ -407,7 +407,7 @@ TFNB_AVX512 void DotRowAvx512(const uint8_t* row, int64_t cols, const float* x, 
   __m512 acc[NN][A];
   for (int n = 0; n < NN; ++n)
     for (int a = 0; a < A; ++a) acc[n][a] = _mm512_setzero_ps();
-  if (QT == kF32 || QT == kF16) {
+  if constexpr (QT == kF32 || QT == kF16) {
     for (int64_t j = 0; j < cols; j += 16) {
       const __m512 w = QT == kF32
           ? _mm512_loadu_ps(reinterpret_cast<const float*>(row) + j)
@@ -417,26 +417,23 @@ TFNB_AVX512 void DotRowAvx512(const uint8_t* row, int64_t cols, const float* x, 
         acc[n][a] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + n * cols + j), acc[n][a]);
     }
   } else {
+    static_assert(NN == 1, "quantized rows against 2 or more activation rows: DotRowsAvx512");
     const int64_t nb = cols / kBlock;
     int64_t b = 0;
-    if (NN == 1) {  // two blocks a step, four chains (an index computed from b would spill acc)
-      for (; b + 2 <= nb; b += 2, row += 2 * BlockBytes<QT>()) {
-        __m512 w[4];
-        DecodeBlock512<QT>(row, w);
-        DecodeBlock512<QT>(row + BlockBytes<QT>(), w + 2);
-        for (int k = 0; k < 4; ++k)
-          acc[0][k % A] = _mm512_fmadd_ps(w[k], _mm512_loadu_ps(x + b * kBlock + 16 * k),
-                                          acc[0][k % A]);
-      }
+    // two blocks a step, four chains (an index computed from b would spill acc)
+    for (; b + 2 <= nb; b += 2, row += 2 * BlockBytes<QT>()) {
+      __m512 w[4];
+      DecodeBlock512<QT>(row, w);
+      DecodeBlock512<QT>(row + BlockBytes<QT>(), w + 2);
+      for (int k = 0; k < 4; ++k)
+        acc[0][k % A] = _mm512_fmadd_ps(w[k], _mm512_loadu_ps(x + b * kBlock + 16 * k),
+                                        acc[0][k % A]);
     }
-    for (; b < nb; ++b, row += BlockBytes<QT>()) {
+    if (b < nb) {  // an odd block count leaves one over
       __m512 w[2];
       DecodeBlock512<QT>(row, w);
-      for (int n = 0; n < NN; ++n) {
-        const float* xb = x + n * cols + b * kBlock;
-        acc[n][0] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xb), acc[n][0]);
-        acc[n][1] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xb + 16), acc[n][1]);
-      }
+      acc[0][0] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(x + b * kBlock), acc[0][0]);
+      acc[0][1] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(x + b * kBlock + 16), acc[0][1]);
     }
   }
   for (int n = 0; n < NN; ++n) {
