@@ -26,8 +26,9 @@ a core, and their rounds interleave (the single worker is worker 0 alone):
 
 For the tfnb configurations the planner's predicted throughput at 8 concurrent requests is set
 beside the measurement: ``tfnb.plan(..., prompt_len=..., new_tokens=...)`` calibrates the stage
-times on the workers at the batch each lane or copy then runs, and each request's prefill too
-(the figure counts both); the figure is that of the placed plan (``Plan.from_assignment`` on
+times on the workers at the batch each lane or copy then runs, attending the slots these
+requests reach (not the lane's whole cache), and each request's prefill too (the figure counts
+both); the figure is that of the placed plan (``Plan.from_assignment`` on
 the calibrated topology), with the planner's own plan beside it where it cuts elsewhere, and
 its decode steps' rate alone is given as well. The machine is shared and noisy: compare the
 ratios of one run. Writes ``benchmarks/results/serving.md`` and ``.json``.
@@ -159,7 +160,8 @@ def bench_tfnb(model, prompt_ids, requests: int, new: int, predict: bool = True,
         for name, n_workers, how in configs if predict else ():
             # the planner's figure for 8 requests: each lane runs 8 / lanes of them (a
             # replicated plan splits the batch over its copies itself), over a lane's caches
-            # (256 slots), the prefill of this prompt timed too
+            # (256 slots), its decode steps timed attending what these requests reach (the
+            # prompt's 48 padded tokens and 48 new ones), the prefill of this prompt timed too
             batch = PREDICT_AT if how.get("mode") == "replicate" else \
                 PREDICT_AT // results[name]["lanes"]
             devices = list(cluster.devices[:n_workers])
@@ -170,7 +172,7 @@ def bench_tfnb(model, prompt_ids, requests: int, new: int, predict: bool = True,
                 predicted = planned
                 if not planned.replicas:  # the figures of the measured cut, which the planner
                     # may have drawn elsewhere (the topology is the one it calibrated, cached)
-                    topo = as_topology(cluster, model, batch, 256, len(prompt_ids), devices)
+                    topo = as_topology(cluster, model, batch, 256, len(prompt_ids), devices, new)
                     predicted = Plan.from_assignment(model.chain, assignments[name], topo, batch,
                                                      256, prompt_len=len(prompt_ids),
                                                      new_tokens=new)

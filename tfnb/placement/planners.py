@@ -40,7 +40,7 @@ from tfnb.placement.plan import Plan
 BEAM = 16  # states kept per level when the exact search is too large (200 stages x 16 kinds: < 1 s)
 
 __all__ = ["plan", "memory_assignment", "greedy_assignment", "optimal_assignment",
-           "replicate_devices", "as_topology"]
+           "replicate_devices", "as_topology", "attended_context"]
 
 
 def _chain(model_or_chain):
@@ -53,13 +53,15 @@ def _chain(model_or_chain):
 
 def as_topology(cluster_or_topology, model=None, batch: int = 1,
                 context_len: int | None = None, prompt_len: int = 0,
-                devices=None) -> Topology:
+                devices=None, new_tokens: int = 0) -> Topology:
     """A ``Topology`` from a Topology, a connected ``Cluster`` (measured, cached) or devices.
 
     With a cluster and a placeable llama ``model`` (``tfnb.load_model``, ``tiny("llama")``), the
     topology also carries the stage times measured on the cluster for ``batch`` and
     ``context_len`` (:func:`tfnb.placement.measure.calibrate`), which replace the FLOP-based
-    estimate, and with ``prompt_len`` the times of one prompt's prefill. A list of device
+    estimate, and with ``prompt_len`` the times of one prompt's prefill. With ``new_tokens``
+    too the decode steps are timed attending what such requests attend
+    (:func:`attended_context`), not the whole ``context_len``. A list of device
     strings gives a topology with unlimited memory, equal speeds and equal links (placement then
     only balances the chain). ``devices`` (with a cluster) measures those of its devices only.
 
@@ -81,8 +83,9 @@ def as_topology(cluster_or_topology, model=None, batch: int = 1,
         topo = measure.measure_topology(cluster_or_topology, devices)
         if _placeable(model):
             batch, context_len = check_load(batch, context_len)
-            topo = topo.with_stage_times(measure.calibrate(model, cluster_or_topology, topo,
-                                                           batch=batch, context_len=context_len))
+            topo = topo.with_stage_times(measure.calibrate(
+                model, cluster_or_topology, topo, batch=batch,
+                context_len=attended_context(context_len, prompt_len, new_tokens)))
             if prompt_len:
                 topo = topo.with_prefill_times(measure.calibrate(
                     model, cluster_or_topology, topo, context_len=context_len,
@@ -92,6 +95,27 @@ def as_topology(cluster_or_topology, model=None, batch: int = 1,
         return Topology(cluster_or_topology)
     raise PlacementError(f"cluster={cluster_or_topology!r:.60}: expected a Cluster, a Topology "
                          "or a list of device strings")
+
+
+def attended_context(context_len: int, prompt_len: int = 0, new_tokens: int = 0) -> int:
+    """The KV slots a decode step attends: ``context_len``, or for served requests of
+    ``prompt_len`` + ``new_tokens`` tokens the most they reach (the prompt padded as the
+    runtime pads it), at most ``context_len``.
+
+    A served model's caches are larger than its requests (256 slots at least), and its decode
+    steps attend only the window the busy rows reach (:mod:`tfnb.runtime.scheduler`), so
+    that is what calibration times. Probed on the 2-core test machine, SmolLM2 Q4_1 on one
+    one-core worker, 8 rows: 29-30 ms per step attending 64 slots, 33.5-35.6 at 128 and
+    45.7-48.2 at 256 (4 rows: 19.3-20.3, 21.4-22.8 and 27.3-27.4).
+
+    >>> attended_context(256, 37, 48), attended_context(1024), attended_context(64, 37, 48)
+    (96, 1024, 64)
+    """
+    if not (prompt_len and new_tokens):
+        return context_len
+    from tfnb.runtime.requests import bucket  # the runtime's padding of a prompt
+
+    return min(context_len, bucket(prompt_len, 16) + new_tokens)
 
 
 def _placeable(model) -> bool:
@@ -277,8 +301,8 @@ def plan(model_or_chain, cluster_or_topology, mode: str = "optimal", objective: 
         (once per cluster, model and load; cached) instead of estimating them from FLOPs
     prompt_len, new_tokens : the requests a served model gets (both or neither): the
         prediction's ``throughput`` then counts each request's prefill (timed too when
-        calibrating) beside its ``new_tokens`` decode steps; the stages are still chosen by
-        the decode step
+        calibrating) beside its ``new_tokens`` decode steps, timed attending the requests'
+        own tokens (:func:`attended_context`); the stages are still chosen by the decode step
     devices : with a cluster, plan on these of its devices only (default: all of them)
 
     Examples
@@ -300,7 +324,7 @@ def plan(model_or_chain, cluster_or_topology, mode: str = "optimal", objective: 
     copies = devices or getattr(cluster_or_topology, "devices", None) or [None]
     share = math.ceil(batch / len(copies)) if mode == "replicate" else batch
     topo = as_topology(cluster_or_topology, model_or_chain if calibrate else None, share,
-                       context_len, prompt_len, devices).with_max_memory(max_memory)
+                       context_len, prompt_len, devices, new_tokens).with_max_memory(max_memory)
     start = time.perf_counter()
     replicas = ()
     if mode == "replicate":
