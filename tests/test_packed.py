@@ -269,6 +269,40 @@ def test_float_rows_of_any_width_use_the_portable_path(name):
     np.testing.assert_allclose(got, x_NxC @ ref_MxC.T, atol=1e-5)
 
 
+@pytest.mark.parametrize("B,Bc,H,K,S,window,E", [(8, 8, 9, 3, 256, 128, 64),
+                                                (3, 8, 4, 2, 64, 64, 8), (1, 2, 2, 1, 128, 64, 40)])
+def test_decode_attention_reads_the_caches_in_place_as_attention_over_the_window(
+        B, Bc, H, K, S, window, E):
+    """``TfnbDecodeAttention`` (eager and inside XLA) equals the runtime's grouped-query
+    attention over the gathered window with the decode mask: rows of the batch only (the caches
+    may hold more), each row from its own padding to the write slot; a row that sees no slot
+    (padding past the slot, as a free row of a lane) gets zeros, not NaN. Head widths of 64, 8
+    and 40 take the 16-lane loops, their remainder, and both."""
+    import tensorflow as tf
+
+    from tfnb.runtime.llama import attention, decode_mask
+
+    rng = np.random.default_rng(B * S + E)
+    q = rng.standard_normal((B, H, E)).astype(np.float32)
+    kc, vc = (rng.standard_normal((Bc, K, S, E)).astype(np.float32) * 3 for _ in range(2))
+    slot = window - 7
+    pad = rng.integers(0, slot + 1, B).astype(np.int32)
+    pad[0] = slot + 1                                   # sees nothing
+    if B > 1:
+        pad[1] = slot                                   # sees its own slot only
+    mask = decode_mask(pad, slot, window)
+    want = attention(q[:, None], kc[:B, :, :window], vc[:B, :, :window], mask).numpy()[:, 0]
+    want[0] = 0.0
+    eager = kernels.decode_attention(q, kc, vc, pad, np.int32(slot), window).numpy()
+    compiled = tf.function(lambda *a: kernels.decode_attention(*a, window),
+                           jit_compile=True)(q, kc, vc, pad, np.int32(slot)).numpy()
+    for got in (eager, compiled):
+        assert got.shape == (B, H * E) and np.isfinite(got).all()
+        np.testing.assert_allclose(got, want, atol=2e-5 * np.abs(vc).max(), rtol=0)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"window 300.*1 <= window <= S"):
+        kernels.decode_attention(q, kc, vc, pad, np.int32(slot), 300)
+
+
 def test_bad_packed_shapes_name_what_is_expected():
     import tensorflow as tf
 

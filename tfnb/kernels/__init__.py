@@ -1,7 +1,8 @@
-"""tfnb's TensorFlow ops for packed GGUF weights, compiled from ``packed.cc`` on first use.
+"""tfnb's TensorFlow ops, compiled from ``packed.cc`` and ``attention.cc`` on first use.
 
-``TfnbPackedMatMul`` computes ``x @ dequantize(w).T`` straight from the file's blocks and
-``TfnbPackedDequantize`` turns packed rows into float32 (embedding lookups). The library is
+``TfnbPackedMatMul`` computes ``x @ dequantize(w).T`` straight from a GGUF file's blocks,
+``TfnbPackedDequantize`` turns packed rows into float32 (embedding lookups) and
+``TfnbDecodeAttention`` attends one new token per row over the KV caches in place. The library is
 built against the installed TensorFlow's headers (``tf.sysconfig``) with the system's C++
 compiler into a cache directory keyed by the source, the TensorFlow version and the flags
 (``$TFNB_KERNEL_DIR``, default ``~/.cache/tfnb/kernels``); ``scripts/setup`` builds it once.
@@ -27,13 +28,14 @@ import tempfile
 import threading
 
 __all__ = ["QTYPES", "row_bytes", "library", "build", "packed_matmul", "packed_dequantize",
-           "isa", "OP_NAMES", "ACTIVATIONS", "KernelBuildError"]
+           "decode_attention", "isa", "OP_NAMES", "ACTIVATIONS", "KernelBuildError"]
 
 # ggml type ids the kernels read, by GGUF name
 QTYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
-OP_NAMES = ("TfnbPackedMatMul", "TfnbPackedDequantize")
+OP_NAMES = ("TfnbPackedMatMul", "TfnbPackedDequantize", "TfnbDecodeAttention")
 _BLOCK_BYTES = {2: 18, 3: 20, 8: 34}   # bytes per block of 32 values
-_SOURCE = os.path.join(os.path.dirname(__file__), "packed.cc")
+_SOURCES = tuple(os.path.join(os.path.dirname(__file__), name)
+                 for name in ("packed.cc", "attention.cc"))
 _lock = threading.Lock()
 _loaded = None
 _isa = None
@@ -69,16 +71,19 @@ def _flags() -> list[str]:
 
 def _library_path() -> str:
     import tensorflow as tf
-    with open(_SOURCE, "rb") as f:
-        key = hashlib.sha256(f.read() + tf.__version__.encode()
-                             + " ".join(_flags()).encode()).hexdigest()[:16]
+    digest = hashlib.sha256()
+    for source in _SOURCES:
+        with open(source, "rb") as f:
+            digest.update(f.read())
+    key = hashlib.sha256(digest.digest() + tf.__version__.encode()
+                         + " ".join(_flags()).encode()).hexdigest()[:16]
     root = os.environ.get("TFNB_KERNEL_DIR") or os.path.join(
         os.path.expanduser("~"), ".cache", "tfnb", "kernels")
     return os.path.join(root, f"tfnb_packed_{key}.so")
 
 
 def build(force: bool = False) -> str:
-    """Compile ``packed.cc`` (unless a build for this source and TensorFlow exists); its path.
+    """Compile the ops (unless a build of these sources for this TensorFlow exists); its path.
 
     Raises ``KernelBuildError`` naming the compiler's complaint.
     """
@@ -93,11 +98,11 @@ def build(force: bool = False) -> str:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
     os.close(fd)
     try:
-        done = subprocess.run([cxx, _SOURCE, "-o", tmp, *_flags()], capture_output=True,
+        done = subprocess.run([cxx, *_SOURCES, "-o", tmp, *_flags()], capture_output=True,
                               text=True, timeout=600)
         if done.returncode:
             errors = [line for line in done.stderr.splitlines() if "error" in line]
-            raise KernelBuildError(f"building {_SOURCE} with {cxx} failed: "
+            raise KernelBuildError(f"building {' and '.join(_SOURCES)} with {cxx} failed: "
                                    + "\n".join(errors[:5] or done.stderr.splitlines()[-5:]))
         os.replace(tmp, path)  # atomic: a concurrent builder or loader sees all or nothing
     finally:
@@ -119,6 +124,7 @@ def library():
             library = tf.load_op_library(path)
             native = ctypes.CDLL(path)  # the same loaded copy; see packed.cc
             native.tfnb_register_xla_kernels()
+            native.tfnb_register_attention_xla_kernel()
             native.tfnb_packed_isa.restype = ctypes.c_char_p
             _isa = native.tfnb_packed_isa().decode()
             _loaded = library
@@ -161,3 +167,12 @@ def packed_matmul(x_NxC, w_MxR, qtype: int, cols: int, activations: str = "float
 def packed_dequantize(w_MxR, qtype: int, cols: int):
     """float32 ``(M, cols)`` values of packed rows."""
     return library().tfnb_packed_dequantize(w_MxR, qtype=qtype, cols=cols)
+
+
+def decode_attention(q_BxHxE, k_cache, v_cache, pad_B, slot, window: int):
+    """Attention of one new token per row over KV caches ``[>= B, K, slots, E]``, read where
+    they lie (no copy of the window): row ``b``'s query head ``h`` attends KV head
+    ``h // (H / K)`` over slots ``pad[b] <= s <= min(slot, window - 1)``, scaled by
+    ``E ** -0.5``. float32 ``(B, H * E)``; a row that sees no slot gets zeros."""
+    return library().tfnb_decode_attention(q_BxHxE, k_cache, v_cache, pad_B, slot,
+                                           window=window)

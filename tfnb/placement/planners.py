@@ -324,7 +324,8 @@ def plan(model_or_chain, cluster_or_topology, mode: str = "optimal", objective: 
     copies = devices or getattr(cluster_or_topology, "devices", None) or [None]
     share = math.ceil(batch / len(copies)) if mode == "replicate" else batch
     topo = as_topology(cluster_or_topology, model_or_chain if calibrate else None, share,
-                       context_len, prompt_len, devices, new_tokens).with_max_memory(max_memory)
+                       context_len, prompt_len, devices,
+                       new_tokens).with_max_memory(max_memory)
     start = time.perf_counter()
     replicas = ()
     if mode == "replicate":
