@@ -417,6 +417,26 @@ def test_packed_decode_matches_float32_on_one_and_two_workers(tiny_gguf, cluster
     assert var_bytes == packed.nbytes + packed.weights["embed"].nbytes
 
 
+def test_a_packed_models_profile_counts_its_in_place_attention_as_attention(tiny_gguf, cluster):
+    """A packed model's decode steps attend through tfnb's op inside the compiled blocks, and a
+    profile of them books that op's time as attention, not as a matmul (tfnb's other custom
+    calls)."""
+    import tfnb.profiler
+
+    packed = tfnb.load_model(tiny_gguf, progress=False)
+    placed = tfnb.place(packed, [cluster.devices[0]], cluster)
+    placed.eos_ids = ()
+    placed.generate_ids(PROMPTS[:1], max_new_tokens=4)   # compiles outside the profile
+    with tfnb.profiler.profile(cluster, timeout=30) as prof:
+        placed.generate_ids(PROMPTS[:1], max_new_tokens=16)
+    assert not prof.partial, prof.reasons
+    block = next(r for r in prof.stage_times(placed) if r["stage"] == "block.1")
+    assert block["steps"] > 0 and block["step_kinds"].get("attention", 0) > 0, block
+    kinds = {e["kind"] for e in prof.compiled
+             if e["stage"] == "block.1" and e["name"].startswith("TfnbDecodeAttention")}
+    assert kinds == {"attention"}, sorted({(e["kind"], e["name"]) for e in prof.compiled})
+
+
 def wait_for_port(port, proc, timeout=90.0):
     import socket
     import time

@@ -36,6 +36,7 @@ OP_NAMES = ("TfnbPackedMatMul", "TfnbPackedDequantize", "TfnbDecodeAttention")
 _BLOCK_BYTES = {2: 18, 3: 20, 8: 34}   # bytes per block of 32 values
 _SOURCES = tuple(os.path.join(os.path.dirname(__file__), name)
                  for name in ("packed.cc", "attention.cc"))
+_HEADERS = (os.path.join(os.path.dirname(__file__), "xla_host.h"),)
 _lock = threading.Lock()
 _loaded = None
 _isa = None
@@ -72,7 +73,7 @@ def _flags() -> list[str]:
 def _library_path() -> str:
     import tensorflow as tf
     digest = hashlib.sha256()
-    for source in _SOURCES:
+    for source in _SOURCES + _HEADERS:
         with open(source, "rb") as f:
             digest.update(f.read())
     key = hashlib.sha256(digest.digest() + tf.__version__.encode()

@@ -24,13 +24,10 @@
 // machine streams (the packed matmuls' weights at batch 1 too).
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "tensorflow/compiler/tf2xla/xla_op_kernel.h"
@@ -42,6 +39,8 @@
 #include "xla/ffi/api/ffi.h"
 #include "xla/hlo/builder/xla_builder.h"
 #include "xla/shape_util.h"
+
+#include "xla_host.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -276,33 +275,7 @@ class DecodeAttentionOp : public OpKernel {
 // ---- inside XLA: the same loops as a custom call ---------------------------------------------
 
 namespace ffi = xla::ffi;
-
-struct Counters {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
-// fn(u0, u1) over [0, units) on XLA's pool, the calling thread taking a share and never
-// waiting for a shard no thread has taken (why: the notes on ParallelRows in packed.cc).
-template <typename Fn>
-void ParallelUnits(ffi::ThreadPool& pool, int64_t units, int64_t cost, const Fn& fn) {
-  const int64_t shards = std::min<int64_t>(std::max<int64_t>(1, pool.num_threads()), units);
-  if (shards <= 1 || units * cost < 200000) {
-    fn(0, units);
-    return;
-  }
-  auto counters = std::make_shared<Counters>();
-  const Fn* body = &fn;
-  auto work = [counters, body, units, shards] {
-    for (int64_t s; (s = counters->next.fetch_add(1, std::memory_order_acq_rel)) < shards;) {
-      (*body)(units * s / shards, units * (s + 1) / shards);
-      counters->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  for (int64_t s = 1; s < shards; ++s) pool.Schedule(decltype(work)(work));
-  work();
-  while (counters->done.load(std::memory_order_acquire) < shards) std::this_thread::yield();
-}
+using xla_host::RowMajor;
 
 ffi::Error DecodeAttentionFfi(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                               ffi::Buffer<ffi::F32> kc, ffi::Buffer<ffi::F32> vc,
@@ -314,8 +287,10 @@ ffi::Error DecodeAttentionFfi(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const int32_t* pp = pad.typed_data();
   const int32_t s = *slot.typed_data();
   float* yp = y->typed_data();
-  ParallelUnits(pool, d.B * d.K, d.H / d.K * d.S * d.E * 4,
-                [&](int64_t u0, int64_t u1) { AttendUnits(qp, kp, vp, pp, s, d, u0, u1, yp); });
+  // the rows of the pool's split are the batch's (row, KV head) units
+  xla_host::ParallelRows(
+      pool, d.B * d.K, d.H / d.K * d.S * d.E * 4,
+      [&](int64_t u0, int64_t u1) { AttendUnits(qp, kp, vp, pp, s, d, u0, u1, yp); });
   return ffi::Error::Success();
 }
 
@@ -330,10 +305,6 @@ XLA_FFI_DEFINE_HANDLER(kDecodeAttention, DecodeAttentionFfi,
                            .Ret<ffi::Buffer<ffi::F32>>()
                            .Attr<int64_t>("window"));
 XLA_FFI_REGISTER_HANDLER(XLA_FFI_GetApi(), "tfnb_decode_attention", "Host", kDecodeAttention);
-
-xla::Shape RowMajor(xla::PrimitiveType type, std::vector<int64_t> dims) {
-  return xla::ShapeUtil::MakeShapeWithDescendingLayout(type, dims);
-}
 
 std::vector<int64_t> DimsOf(const TensorShape& s) {
   std::vector<int64_t> dims;
