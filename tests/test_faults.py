@@ -149,19 +149,14 @@ def test_worker_stopped_before_a_call_fails_it_in_seconds_and_cells_run(own_work
 
 def test_worker_stopped_during_a_call_that_compiles(own_workers, patient, ipython, monkeypatch):
     """The worker stops right after the new function reached it, while it compiles and runs."""
-    import tensorflow as tf
-
-    from tfnb.runtime.graphs import OnDevice, client_cpu
+    from tfnb.runtime.graphs import OnDevice
 
     cluster, model, placed, expected = patient
     stopped = _Stopped(own_workers, 0)
     call = OnDevice.__call__
 
     def traced_then_stopped(self, *args):
-        with tf.device(client_cpu()):
-            args = [tf.constant(a) for a in args]
-        with tf.device(self.device):
-            self.fn.get_concrete_function(*args)  # traced and sent to the own_workers
+        self.trace(*args)                         # traced and sent to the own_workers
         stopped.stop()                            # before the own_workers compile and run it
         return call(self, *args)
 

@@ -36,6 +36,7 @@ from tensorflow.python.eager import context
 
 from tfnb.models.chain import Segment, block_stage
 from tfnb.runtime import llama as L
+from tfnb.runtime import wire
 
 __all__ = ["HeadIn", "SegmentFns", "pack_ctl", "pack_prefill_ctl", "with_tokens", "unpack_ctl",
            "segment_functions", "run_segments", "prefill_function", "decode_function",
@@ -50,7 +51,7 @@ class _QuietRetracing(logging.Filter):
     mistakes for retracing."""
 
     OURS = ("prefill_function", "decode_function", "unrolled_decode", "shift_function",
-            "segment_functions", "logits_function", "timed_loop")
+            "segment_functions", "logits_function", "timed_loop", "Packed")
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg = record.getMessage()
@@ -330,6 +331,10 @@ class OnDevice:
     loop) runs on that worker: called from the client's default device instead, each loop
     iteration costs a client round trip (about 2 ms between local processes).
 
+    Plain arguments (numpy values and Python numbers) travel as one tensor and the results
+    come back as one, as numpy values (:mod:`tfnb.runtime.wire`): each tensor copied to or
+    from a worker is a round trip of its own. Calls with tensor arguments go as they are.
+
     The arguments become tensors on the client's own CPU first. Converting a Python or numpy
     value under a remote device scope blocks in C++ while holding the GIL until the worker
     answers (probed on TF 2.21: with the worker SIGSTOPped the whole process froze, while the
@@ -338,15 +343,45 @@ class OnDevice:
 
     def __init__(self, fn, device: str):
         self.fn, self.device = fn, device
+        self._packed: dict = {}  # argument signature -> wire.Packed
+
+    def _wired(self, args):
+        """The packed call for ``args`` and their bytes as a client tensor, or None."""
+        sig = wire.signature(args)
+        if sig is None:
+            return None
+        call = self._packed.get(sig)
+        if call is None:
+            call = self._packed.setdefault(sig, wire.Packed(self.fn, sig))
+        with tf.device(client_cpu()):
+            return call, tf.constant(wire.pack(args))
 
     def __call__(self, *args):
+        wired = self._wired(args)
+        if wired is not None:
+            call, blob = wired
+            with tf.device(self.device):
+                out = call.fn(blob)
+            return call.unpack(out.numpy())
         with tf.device(client_cpu()):
             args = [a if isinstance(a, tf.Tensor) or a is None else tf.constant(a) for a in args]
         with tf.device(self.device):
             return self.fn(*args)
 
+    def trace(self, *args) -> None:
+        """Trace the graph a call with ``args`` runs (which sends it to the workers), without
+        running it."""
+        wired = self._wired(args)
+        with tf.device(self.device):
+            if wired is None:
+                self.fn.get_concrete_function(*args)
+            else:
+                wired[0].fn.get_concrete_function(wired[1])
+
     def experimental_get_tracing_count(self) -> int:
-        return self.fn.experimental_get_tracing_count()
+        """Traces so far, of the packed calls and of calls as they are."""
+        return self.fn.experimental_get_tracing_count() + sum(
+            call.fn.experimental_get_tracing_count() for call in list(self._packed.values()))
 
 
 class Program:
