@@ -125,7 +125,6 @@ def library():
             library = tf.load_op_library(path)
             native = ctypes.CDLL(path)  # the same loaded copy; see packed.cc
             native.tfnb_register_xla_kernels()
-            native.tfnb_register_attention_xla_kernel()
             native.tfnb_packed_isa.restype = ctypes.c_char_p
             _isa = native.tfnb_packed_isa().decode()
             _loaded = library

@@ -99,11 +99,32 @@ inline void Softmax(float* scores, int64_t G, int64_t n) {
   }
 }
 
-// The slots row b attends, [lo, hi).
-inline void Visible(const int32_t* pad, int32_t slot, const Dims& d, int64_t b, int64_t* lo,
-                    int64_t* hi) {
-  *lo = std::max<int64_t>(0, pad[b]);
-  *hi = std::min<int64_t>(slot, d.S - 1) + 1;
+// Where unit u = b * K + k works: its G query and output heads of E values, and the first
+// key and value of the n slots its row attends (pad[b] <= s <= slot). With none, the output
+// is zeros and n = 0.
+struct Unit {
+  const float* q;
+  float* out;
+  const float* k;
+  const float* v;
+  int64_t n;
+};
+
+inline Unit Locate(const float* q, const float* kc, const float* vc, const int32_t* pad,
+                   int32_t slot, const Dims& d, int64_t u, int64_t G, int64_t E, float* out) {
+  const int64_t b = u / d.K, k = u % d.K;
+  const int64_t lo = std::max<int64_t>(0, pad[b]);
+  const int64_t hi = std::min<int64_t>(slot, d.S - 1) + 1;
+  const int64_t first = ((b * d.K + k) * d.Smax + lo) * E;
+  Unit unit{q + (b * d.H + k * G) * E, out + (b * d.H + k * G) * E, kc, vc,
+            std::max<int64_t>(0, hi - lo)};
+  if (unit.n == 0) {
+    std::fill(unit.out, unit.out + G * E, 0.0f);
+  } else {
+    unit.k += first;
+    unit.v += first;
+  }
+  return unit;
 }
 
 // One row and KV head (unit u = b * K + k) in portable loops: see the top of the file.
@@ -112,16 +133,12 @@ void AttendUnit(const float* q, const float* kc, const float* vc, const int32_t*
                 int32_t slot, const Dims& d, int64_t u, float* scores, float* out) {
   const int64_t G = d.H / d.K, E = d.E, E16 = E / kLanes * kLanes;
   const float scale = 1.0f / std::sqrt(static_cast<float>(E));
-  const int64_t b = u / d.K, k = u % d.K;
-  const float* qg = q + (b * d.H + k * G) * E;
-  float* og = out + (b * d.H + k * G) * E;
-  int64_t lo, hi;
-  Visible(pad, slot, d, b, &lo, &hi);
+  const Unit unit = Locate(q, kc, vc, pad, slot, d, u, G, E, out);
+  const int64_t n = unit.n;
+  if (n == 0) return;
+  const float *qg = unit.q, *kr = unit.k, *vr = unit.v;
+  float* og = unit.out;
   std::fill(og, og + G * E, 0.0f);
-  if (lo >= hi) return;
-  const int64_t n = hi - lo;
-  const float* kr = kc + ((b * d.K + k) * d.Smax + lo) * E;
-  const float* vr = vc + ((b * d.K + k) * d.Smax + lo) * E;
   for (int64_t s = 0; s < n; ++s, kr += E) {
     for (int64_t g = 0; g < G; ++g) {
       const float* qv = qg + g * E;
@@ -154,18 +171,11 @@ TFNB_ATTN512 void AttendUnitAvx512(const float* q, const float* kc, const float*
                                    float* scores, float* out) {
   constexpr int E = C * 16;
   const float scale = 1.0f / std::sqrt(static_cast<float>(E));
-  const int64_t b = u / d.K, k = u % d.K;
-  const float* qg = q + (b * d.H + k * G) * E;
-  float* og = out + (b * d.H + k * G) * E;
-  int64_t lo, hi;
-  Visible(pad, slot, d, b, &lo, &hi);
-  if (lo >= hi) {
-    std::fill(og, og + G * E, 0.0f);
-    return;
-  }
-  const int64_t n = hi - lo;
-  const float* kr = kc + ((b * d.K + k) * d.Smax + lo) * E;
-  const float* vr = vc + ((b * d.K + k) * d.Smax + lo) * E;
+  const Unit unit = Locate(q, kc, vc, pad, slot, d, u, G, E, out);
+  const int64_t n = unit.n;
+  if (n == 0) return;
+  const float *qg = unit.q, *kr = unit.k, *vr = unit.v;
+  float* og = unit.out;
   __m512 qv[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) qv[g][c] = _mm512_loadu_ps(qg + g * E + c * 16);
@@ -336,31 +346,15 @@ class DecodeAttentionXla : public tensorflow::XlaOpKernel {
   int64_t window_;
 };
 
-template <typename K>
-tensorflow::OpKernel* Create(OpKernelConstruction* ctx) { return new K(ctx); }
+void RegisterXlaKernelLate() {
+  xla_host::RegisterXlaKernelLate<DecodeAttentionXla>("TfnbDecodeAttention", "DecodeAttentionXla");
+}
 
 }  // namespace attention
 }  // namespace tfnb
 
 REGISTER_XLA_OP(Name("TfnbDecodeAttention").Device(tensorflow::DEVICE_CPU_XLA_JIT),
                 tfnb::attention::DecodeAttentionXla);
-
-// As tfnb_register_xla_kernels in packed.cc: the XLA kernel, registered late if TF turned the
-// XLA registrations into kernels before this library loaded.
-extern "C" int tfnb_register_attention_xla_kernel() {
-  static const bool done = [] {
-    tensorflow::XlaOpRegistry::RegisterCompilationKernels();
-    if (tensorflow::KernelsRegisteredForOp("TfnbDecodeAttention").find("XLA_CPU_JIT") ==
-        std::string::npos) {
-      using tensorflow::register_kernel::Name;
-      new tensorflow::kernel_factory::OpKernelRegistrar(
-          Name("TfnbDecodeAttention").Device(tensorflow::DEVICE_CPU_XLA_JIT).Build(),
-          "DecodeAttentionXla", &tfnb::attention::Create<tfnb::attention::DecodeAttentionXla>);
-    }
-    return true;
-  }();
-  return done ? 1 : 0;
-}
 
 REGISTER_OP("TfnbDecodeAttention")
     .Input("q: float")

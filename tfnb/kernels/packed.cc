@@ -1005,13 +1005,6 @@ REGISTER_XLA_OP(Name("TfnbPackedMatMul").Device(tensorflow::DEVICE_CPU_XLA_JIT),
 REGISTER_XLA_OP(Name("TfnbPackedDequantize").Device(tensorflow::DEVICE_CPU_XLA_JIT),
                 PackedDequantizeXla);
 
-// TF turns the XLA registrations into kernels of the XLA_CPU_JIT device once per process. If
-// that has not happened yet, the call below does it (ours included); if it has, ours were
-// missed and are registered here. This cannot run while the library loads (TF registers a
-// library's ops only after its static initializers): tfnb.kernels calls it right after loading.
-template <typename K>
-tensorflow::OpKernel* Create(OpKernelConstruction* ctx) { return new K(ctx); }
-
 // The code the matmuls run on this CPU: "avx512", "avx2" or "portable" (tfnb.kernels.isa()).
 extern "C" const char* tfnb_packed_isa() {
 #ifdef TFNB_X86
@@ -1021,26 +1014,15 @@ extern "C" const char* tfnb_packed_isa() {
   return "portable";
 }
 
+// Every XLA kernel of the library, registered late if need be (xla_host.h): tfnb.kernels calls
+// it right after loading.
 extern "C" int tfnb_register_xla_kernels() {
-  static const bool done = [] {
-    tensorflow::XlaOpRegistry::RegisterCompilationKernels();
-    if (tensorflow::KernelsRegisteredForOp("TfnbPackedMatMul").find("XLA_CPU_JIT") ==
-        std::string::npos) {
-      using tensorflow::register_kernel::Name;
-      new tensorflow::kernel_factory::OpKernelRegistrar(
-          Name("TfnbPackedMatMul").Device(tensorflow::DEVICE_CPU_XLA_JIT).Build(),
-          "PackedMatMulXla", &Create<PackedMatMulXla>);
-      new tensorflow::kernel_factory::OpKernelRegistrar(
-          Name("TfnbPackedDequantize").Device(tensorflow::DEVICE_CPU_XLA_JIT).Build(),
-          "PackedDequantizeXla", &Create<PackedDequantizeXla>);
-    }
-    return true;
-  }();
-  return done ? 1 : 0;
+  using tfnb::xla_host::RegisterXlaKernelLate;
+  RegisterXlaKernelLate<PackedMatMulXla>("TfnbPackedMatMul", "PackedMatMulXla");
+  RegisterXlaKernelLate<PackedDequantizeXla>("TfnbPackedDequantize", "PackedDequantizeXla");
+  tfnb::attention::RegisterXlaKernelLate();
+  return 1;
 }
-
-namespace {
-}  // namespace
 
 using tensorflow::shape_inference::InferenceContext;
 

@@ -1,5 +1,6 @@
 // What tfnb's XLA custom calls share (packed.cc, attention.cc): running a loop on XLA's own
-// thread pool, and row-major shapes for a custom call's operands and result.
+// thread pool, row-major shapes for a custom call's operands and result, and registering an
+// op's XLA kernel after TF has made its own.
 #ifndef TFNB_KERNELS_XLA_HOST_H_
 #define TFNB_KERNELS_XLA_HOST_H_
 
@@ -7,9 +8,12 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <thread>
 #include <vector>
 
+#include "tensorflow/compiler/tf2xla/xla_op_registry.h"
+#include "tensorflow/core/framework/op_kernel.h"
 #include "xla/ffi/api/ffi.h"
 #include "xla/shape_util.h"
 
@@ -56,7 +60,28 @@ inline xla::Shape RowMajor(xla::PrimitiveType type, std::vector<int64_t> dims) {
   return xla::ShapeUtil::MakeShapeWithDescendingLayout(type, dims);
 }
 
+template <typename K>
+tensorflow::OpKernel* Create(tensorflow::OpKernelConstruction* ctx) { return new K(ctx); }
+
+// TF turns the XLA registrations (REGISTER_XLA_OP) into kernels of the XLA_CPU_JIT device once
+// per process. If that has not happened yet, the first call below does it (ours included); if
+// it has, op's was missed and is registered here, as kernel K. This cannot run while the
+// library loads (TF registers a library's ops only after its static initializers):
+// tfnb_register_xla_kernels (packed.cc), which tfnb.kernels calls right after loading, does.
+template <typename K>
+void RegisterXlaKernelLate(const char* op, const char* kernel) {
+  tensorflow::XlaOpRegistry::RegisterCompilationKernels();
+  if (tensorflow::KernelsRegisteredForOp(op).find("XLA_CPU_JIT") != std::string::npos) return;
+  new tensorflow::kernel_factory::OpKernelRegistrar(
+      tensorflow::register_kernel::Name(op).Device(tensorflow::DEVICE_CPU_XLA_JIT).Build(),
+      kernel, &Create<K>);
+}
+
 }  // namespace xla_host
+
+namespace attention {
+void RegisterXlaKernelLate();  // attention.cc's, called by packed.cc's tfnb_register_xla_kernels
+}  // namespace attention
 }  // namespace tfnb
 
 #endif  // TFNB_KERNELS_XLA_HOST_H_
