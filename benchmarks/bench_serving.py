@@ -24,6 +24,9 @@ a core, and their rounds interleave (the single worker is worker 0 alone):
 * ``llama.cpp``: ``llama-server -t 1 -np 16`` on core 0, and with ``--rpc`` over two
   ``ggml-rpc-server``s on cores 0 and 1; requests through its OpenAI API.
 
+The tfnb configurations also run 3 rounds of 8 clients streaming their requests in 4-token
+chunks, as ``tfnb.serve`` streams (one decode call per chunk, so four times the calls).
+
 For the tfnb configurations the planner's predicted throughput at 8 concurrent requests is set
 beside the measurement: ``tfnb.plan(..., prompt_len=..., new_tokens=...)`` calibrates the stage
 times on the workers at the batch each lane or copy then runs, attending the slots these
@@ -55,6 +58,7 @@ PROMPT = "Name three colours of the rainbow."
 CONCURRENCY = (1, 2, 4, 8, 16)
 PREDICT_AT = 8
 REPEATS_AT = 3  # rounds at PREDICT_AT requests (the targets' point): the median one counts
+STREAM_CHUNK = 4  # tokens per streamed event, as tfnb.serve streams (a decode call each)
 
 
 def round_of(send, clients: int, requests: int, new: int) -> dict:
@@ -133,7 +137,7 @@ def bench_tfnb(model, prompt_ids, requests: int, new: int, predict: bool = True,
     configs = [c for c in CONFIGS if not only or c[0].split()[-1] in only]
     cluster = tfnb.local(2, cpus=["0", "1"])
     try:
-        placed, results, assignments = {}, {}, {}
+        placed, streamed, results, assignments = {}, {}, {}, {}
         for name, n_workers, how in configs:
             devices = list(cluster.devices[:n_workers])
             plan = tfnb.plan(model, cluster, calibrate=False, devices=devices, **how)
@@ -142,6 +146,8 @@ def bench_tfnb(model, prompt_ids, requests: int, new: int, predict: bool = True,
             for copy in copies:  # the default 8 cache rows per lane: 16 requests queue half
                 copy.eos_ids = ()
             placed[name] = (lambda pm=pm: len(pm.generate_ids(prompt_ids, max_new_tokens=new)))
+            streamed[name] = (lambda pm=pm: sum(len(c) for c in pm.generate_ids(
+                prompt_ids, max_new_tokens=new, stream=True, chunk_tokens=STREAM_CHUNK)))
             results[name] = {"rounds": [], "plan": str(plan.segments()),
                              "lanes": len(copies) * len(copies[0].scheduler.lanes)}
             assignments[name] = plan.assignment
@@ -156,7 +162,19 @@ def bench_tfnb(model, prompt_ids, requests: int, new: int, predict: bool = True,
                 results[name]["rounds"].append(median_round(runs[name]))
             print(c, {n: round(results[n]["rounds"][-1]["tokens_per_s"], 1) for n in placed},
                   flush=True)
+        # streamed as the HTTP endpoint streams: a decode call per STREAM_CHUNK tokens
+        for name in streamed:
+            round_of(streamed[name], PREDICT_AT, requests, new)
+        runs = {name: [] for name in streamed}
+        for _ in range(REPEATS_AT):
+            for name, send in streamed.items():
+                runs[name].append(round_of(send, PREDICT_AT, requests, new))
+        for name in streamed:
+            results[name]["streamed_at_8"] = median_round(runs[name])
+        print("streamed", {n: round(results[n]["streamed_at_8"]["tokens_per_s"], 1)
+                           for n in streamed}, flush=True)
         placed.clear()
+        streamed.clear()
         for name, n_workers, how in configs if predict else ():
             # the planner's figure for 8 requests: each lane runs 8 / lanes of them (a
             # replicated plan splits the batch over its copies itself), over a lane's caches
@@ -283,6 +301,13 @@ def summary(results: dict) -> str:
         if one_cpu and n in busy:  # CPU seconds per token, against one worker's
             per_token = sum(busy[n]) / rate[n] / one_cpu
             lines.append(f"- {n}: both workers' CPU time per token {per_token:.2f}x one worker's")
+    streamed = {n: r["streamed_at_8"] for n, r in results.items() if "streamed_at_8" in r}
+    if streamed:
+        lines.append(f"- streamed in {STREAM_CHUNK}-token chunks (as `tfnb.serve` streams) at "
+                     f"{PREDICT_AT} requests, the median of {REPEATS_AT} rounds: " + "; ".join(
+                         f"{n} {r['tokens_per_s']:.1f} (" + ", ".join(
+                             f"{x:.1f}" for x in r["repeats"]) + ")"
+                         for n, r in streamed.items()))
     for n, r in results.items():
         if "predicted_at_8" in r:
             p = r["predicted_at_8"]
