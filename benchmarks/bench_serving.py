@@ -109,13 +109,26 @@ def median_round(runs: list[dict]) -> dict:
     return {**ranked[len(ranked) // 2], "repeats": [r["tokens_per_s"] for r in runs]}
 
 
+def interleaved(sends: dict, clients: int, requests: int, new: int, repeats: int,
+                measure) -> dict:
+    """Per configuration (``{name: send}``), the median of ``repeats`` rounds of ``clients``
+    measured by ``measure(send, clients, requests, new)``, the configurations' rounds taking
+    turns, after one unmeasured round each (it compiles the batch and window sizes the round
+    reaches)."""
+    for send in sends.values():
+        round_of(send, clients, requests, new)
+    runs = {name: [] for name in sends}
+    for _ in range(repeats):
+        for name, send in sends.items():
+            runs[name].append(measure(send, clients, requests, new))
+    return {name: median_round(r) for name, r in runs.items()}
+
+
 def rounds(send, requests: int, new: int) -> list[dict]:
     out = []
     for c in CONCURRENCY:
-        # the same round once before: it compiles the batch and window sizes it reaches
-        round_of(send, c, requests, new)
-        runs = REPEATS_AT if c == PREDICT_AT else 1
-        out.append(median_round([round_of(send, c, requests, new) for _ in range(runs)]))
+        out.append(interleaved({"": send}, c, requests, new,
+                               REPEATS_AT if c == PREDICT_AT else 1, round_of)[""])
     print([f"{r['clients']}: {r['tokens_per_s']:.1f}" for r in out], flush=True)
     return out
 
@@ -152,27 +165,17 @@ def bench_tfnb(model, prompt_ids, requests: int, new: int, predict: bool = True,
                              "lanes": len(copies) * len(copies[0].scheduler.lanes)}
             assignments[name] = plan.assignment
         for c in CONCURRENCY:
-            for name in placed:  # compiles the batch and window sizes the round reaches
-                round_of(placed[name], c, requests, new)
-            runs = {name: [] for name in placed}
-            for _ in range(REPEATS_AT if c == PREDICT_AT else 1):
-                for name, send in placed.items():
-                    runs[name].append(busy_round(send, c, requests, new, cluster.local.pids))
-            for name in placed:
-                results[name]["rounds"].append(median_round(runs[name]))
-            print(c, {n: round(results[n]["rounds"][-1]["tokens_per_s"], 1) for n in placed},
-                  flush=True)
+            medians = interleaved(placed, c, requests, new, REPEATS_AT if c == PREDICT_AT else 1,
+                                  lambda *a: busy_round(*a, cluster.local.pids))
+            for name, r in medians.items():
+                results[name]["rounds"].append(r)
+            print(c, {n: round(r["tokens_per_s"], 1) for n, r in medians.items()}, flush=True)
         # streamed as the HTTP endpoint streams: a decode call per STREAM_CHUNK tokens
-        for name in streamed:
-            round_of(streamed[name], PREDICT_AT, requests, new)
-        runs = {name: [] for name in streamed}
-        for _ in range(REPEATS_AT):
-            for name, send in streamed.items():
-                runs[name].append(round_of(send, PREDICT_AT, requests, new))
-        for name in streamed:
-            results[name]["streamed_at_8"] = median_round(runs[name])
-        print("streamed", {n: round(results[n]["streamed_at_8"]["tokens_per_s"], 1)
-                           for n in streamed}, flush=True)
+        medians = interleaved(streamed, PREDICT_AT, requests, new, REPEATS_AT, round_of)
+        for name, r in medians.items():
+            results[name]["streamed_at_8"] = r
+        print("streamed", {n: round(r["tokens_per_s"], 1) for n, r in medians.items()},
+              flush=True)
         placed.clear()
         streamed.clear()
         for name, n_workers, how in configs if predict else ():
