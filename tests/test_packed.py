@@ -36,13 +36,14 @@ def packed_rows(w_MxC, name):
 @pytest.mark.parametrize("M,C,N", [(1, 32, 1), (7, 96, 3), (33, 576, 9), (5, 1536, 4),
                                    (6, 64, 5), (9, 64, 6), (3, 160, 8), (10, 96, 17),
                                    (4, 96, 2), (5, 160, 7), (3, 224, 1), (2, 40 * 32, 8),
-                                   (13, 64, 10), (16, 96, 48)])
+                                   (13, 64, 10), (16, 96, 48), (70, 64, 19), (65, 96, 9)])
 def test_packed_matmul_matches_gguf_dequantize(name, M, C, N):
     """Odd row counts, one-block and many-block rows, odd and even block counts; on AVX2 up
     to 5 activation rows at once in registers, more in tiles of 4 weight rows x 3 activation
     rows (and their 1 to 3 row remainders); on AVX-512 up to 8 in registers (one activation
     row takes two blocks a step, so an odd block count leaves one over; 2 to 8 take quantized
-    weight rows two at a time, so an odd row count leaves one over), more in the AVX2 tiles."""
+    weight rows two at a time, so an odd row count leaves one over), more in groups of 8 over
+    chunks of 32 weight rows (a last group of 1 to 7 rows, a last chunk of 1 to 31)."""
     import tensorflow as tf
 
     rng = np.random.default_rng(M * C + N)

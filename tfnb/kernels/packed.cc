@@ -310,8 +310,9 @@ TFNB_AVX2 void TileRowsAvx2(const float* w, const float* x, int64_t N, int64_t c
 // group of 8; 173 ms so (and 322 ms at 96 rows, where dequantizing the matrices for XLA's dot
 // took 748 ms). On a Zen 5 core these tiles run SmolLM2's 121 matmuls at 48 rows in 125-130 ms
 // (about 100 GFLOP/s); the same tiles at AVX-512 width (8 weight rows x 3 activation rows of
-// zmm accumulators) took 135-145 ms, and 44-60 against 52-56 ms at 16 rows, so AVX-512 code
-// stops at kMaxN512 rows. Each output's horizontal sum costs twice as much at 16 lanes.
+// zmm accumulators) took 135-145 ms, and 44-60 against 52-56 ms at 16 rows: each output's
+// horizontal sum costs twice as much at 16 lanes. An AVX-512 CPU runs RowsAvx512's groups
+// instead, which were faster than these tiles on the KVM Xeon (below).
 template <int QT>
 TFNB_AVX2 void TiledRowsAvx2(const uint8_t* w, int64_t row_bytes, int64_t cols, const float* x,
                    int64_t N, float* y, int64_t M, int64_t m0, int64_t m1) {
@@ -475,34 +476,62 @@ TFNB_AVX512 void DotRowsAvx512(const uint8_t* row, int64_t row_bytes, int64_t co
     for (int n = 0; n < NN; ++n) out[r * kMaxN512 + n] = _mm512_reduce_add_ps(acc[r][n]);
 }
 
+// Outputs of weight rows [m, m + mr) for g (<= kMaxN512) activation rows x, into out[r * kMaxN512 + n].
+template <int QT>
+inline void DotGroupAvx512(const uint8_t* row, int64_t row_bytes, int64_t cols, const float* x,
+                           int g, int mr, float* out) {
+  if constexpr (QT != kF32 && QT != kF16) {
+    if (g == 1) {  // one activation row: DotRowAvx512, once per weight row
+      for (int r = 0; r < mr; ++r) DotRowAvx512<QT, 1>(row + r * row_bytes, cols, x, out + r * kMaxN512);
+      return;
+    }
+    switch (g * 2 + mr - 1) {
+#define TFNB_CASE(K) case 2 * K: DotRowsAvx512<QT, K, 1>(row, row_bytes, cols, x, out); break; \
+                     case 2 * K + 1: DotRowsAvx512<QT, K, 2>(row, row_bytes, cols, x, out); break;
+      TFNB_CASE(2) TFNB_CASE(3) TFNB_CASE(4) TFNB_CASE(5) TFNB_CASE(6) TFNB_CASE(7) TFNB_CASE(8)
+#undef TFNB_CASE
+    }
+  } else {
+    switch (g) {
+#define TFNB_CASE(K) case K: DotRowAvx512<QT, K>(row, cols, x, out); break;
+      TFNB_CASE(1) TFNB_CASE(2) TFNB_CASE(3) TFNB_CASE(4)
+      TFNB_CASE(5) TFNB_CASE(6) TFNB_CASE(7) TFNB_CASE(8)
+#undef TFNB_CASE
+    }
+  }
+}
+
+// Weight rows [m0, m1) against N activation rows. Up to kMaxN512 rows, one pass over the weight
+// rows, two at a time for quantized types. More rows (a prompt) go in groups of kMaxN512 over
+// chunks of kChunk512 weight rows, so a chunk's bytes stay near while every group passes and
+// the weights stream from memory once. Probed on the KVM Xeon (one core, SmolLM2's 120 block
+// matmuls, Q4_1, one XLA function, CPU ms, two processes each): 48 rows 91-101 ms against
+// 107-111 in TiledRowsAvx2, 16 rows 32-34 against 42-43, 24 rows 49-50 against 58-64, 96
+// rows 187 against 208-222, 384 rows 756-757 against 833-881 (chunks of 8 to 256 weight rows
+// all within 91-106 ms at 48 rows). A served prompt of 37 tokens (48 padded) then prefilled
+// in 115-117 ms against 125-129 on a one-core worker.
+constexpr int64_t kChunk512 = 32;
+
 template <int QT>
 void RowsAvx512(const uint8_t* w, int64_t row_bytes, int64_t cols, const float* x, int64_t N,
                 float* y, int64_t M, int64_t m0, int64_t m1) {
   constexpr bool kQuantized = QT != kF32 && QT != kF16;
   float out[2 * kMaxN512];
-  for (int64_t m = m0; m < m1;) {
-    const uint8_t* row = w + m * row_bytes;
-    const int mr = kQuantized && N >= 2 && m + 1 < m1 ? 2 : 1;
-    PrefetchRow(row, mr * row_bytes, w + m1 * row_bytes);
-    if constexpr (kQuantized) {
-      switch (N * 2 + mr - 1) {
-        case 2: DotRowAvx512<QT, 1>(row, cols, x, out); break;  // N = 1
-#define TFNB_CASE(K) case 2 * K: DotRowsAvx512<QT, K, 1>(row, row_bytes, cols, x, out); break; \
-                     case 2 * K + 1: DotRowsAvx512<QT, K, 2>(row, row_bytes, cols, x, out); break;
-        TFNB_CASE(2) TFNB_CASE(3) TFNB_CASE(4) TFNB_CASE(5) TFNB_CASE(6) TFNB_CASE(7) TFNB_CASE(8)
-#undef TFNB_CASE
-      }
-    } else {
-      switch (N) {
-#define TFNB_CASE(K) case K: DotRowAvx512<QT, K>(row, cols, x, out); break;
-        TFNB_CASE(1) TFNB_CASE(2) TFNB_CASE(3) TFNB_CASE(4)
-        TFNB_CASE(5) TFNB_CASE(6) TFNB_CASE(7) TFNB_CASE(8)
-#undef TFNB_CASE
+  const int64_t chunk = N <= kMaxN512 ? m1 - m0 : kChunk512;
+  for (int64_t c0 = m0; c0 < m1; c0 += chunk) {
+    const int64_t c1 = std::min(m1, c0 + chunk);
+    for (int64_t n0 = 0; n0 < N; n0 += kMaxN512) {
+      const int g = static_cast<int>(std::min<int64_t>(kMaxN512, N - n0));
+      for (int64_t m = c0; m < c1;) {
+        const uint8_t* row = w + m * row_bytes;
+        const int mr = kQuantized && N >= 2 && m + 1 < c1 ? 2 : 1;
+        if (n0 == 0) PrefetchRow(row, mr * row_bytes, w + m1 * row_bytes);
+        DotGroupAvx512<QT>(row, row_bytes, cols, x + n0 * cols, g, mr, out);
+        for (int r = 0; r < mr; ++r)
+          for (int n = 0; n < g; ++n) y[(n0 + n) * M + m + r] = out[r * kMaxN512 + n];
+        m += mr;
       }
     }
-    for (int r = 0; r < mr; ++r)
-      for (int64_t n = 0; n < N; ++n) y[n * M + m + r] = out[r * kMaxN512 + n];
-    m += mr;
   }
 }
 #endif  // TFNB_X86
@@ -762,7 +791,7 @@ bool TakesInt8(int qtype) { return qtype == kQ4_0 || qtype == kQ4_1 || qtype == 
 void Rows(int qtype, const uint8_t* w, int64_t row_bytes, int64_t cols, const float* x,
           int64_t N, float* y, int64_t M, int64_t m0, int64_t m1) {
 #ifdef TFNB_X86
-  if (HaveAvx512() && N <= kMaxN512 && (TakesInt8(qtype) || cols % 16 == 0)) {
+  if (HaveAvx512() && (TakesInt8(qtype) || cols % 16 == 0)) {
     switch (qtype) {
       case kF32: return RowsAvx512<kF32>(w, row_bytes, cols, x, N, y, M, m0, m1);
       case kF16: return RowsAvx512<kF16>(w, row_bytes, cols, x, N, y, M, m0, m1);

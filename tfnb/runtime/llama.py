@@ -106,7 +106,9 @@ def fuse_block(weights: dict, i: int) -> dict[str, np.ndarray]:
 # multiplied by XLA's dot. Probed on SmolLM2's matrices (its 30 blocks), one core: the packed
 # kernel (which decodes 4 weight rows at a time into floats and multiplies them in register
 # tiles) took 173 ms for 48 rows, 322 for 96, 1354 for 384, 2721 for 768 and 5880 for 1536;
-# dequantized first 625, 748, 1672, 2753 and 5244 ms. They cross near 800 rows.
+# dequantized first 625, 748, 1672, 2753 and 5244 ms. They cross near 800 rows. On AVX-512 the
+# kernel runs groups of 8 rows instead (tfnb/kernels/packed.cc, RowsAvx512), faster still (757 ms
+# at 384 rows against 833-881 in the tiles): the threshold stays where the tiles cross.
 DEQUANTIZE_ROWS = 1024
 
 # The packed kernel's activations (read when a step is traced, so set it before placing):
