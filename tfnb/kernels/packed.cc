@@ -368,7 +368,10 @@ void RowsAvx2(const uint8_t* w, int64_t row_bytes, int64_t cols, const float* x,
 // a table (one FMA) and its 32 codes look them up (vpermps), and Q4_1's two halves d and m
 // convert in one instruction. A block of 32 is two zmm vectors, and with 32 registers up to 8
 // activation rows keep their accumulators in registers. SmolLM2's matmuls (one XLA function,
-// Q4_1, one core): see benchmarks/results/kernel.md.
+// Q4_1, one core): see benchmarks/results/kernel.md. Tried on the KVM Xeon: the scales of 16
+// blocks gathered and converted at once, each block's then broadcast from memory (no shuffles
+// for them): 8.0-8.2 against 8.8-8.9 ms at 1 row, but 12.1-13.1 against 11.6-11.8 at 4 and
+// 17.6-19.7 against 17.4-17.5 at 8 (SmolLM2's block matmuls), so not kept.
 #define TFNB_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
 
 constexpr int kMaxN512 = 8;
