@@ -479,13 +479,14 @@ TFNB_AVX512 void DotRowsAvx512(const uint8_t* row, int64_t row_bytes, int64_t co
     for (int n = 0; n < NN; ++n) out[r * kMaxN512 + n] = _mm512_reduce_add_ps(acc[r][n]);
 }
 
-// Outputs of weight rows [m, m + mr) for g (<= kMaxN512) activation rows x, into out[r * kMaxN512 + n].
+// Weight rows [row, row + mr) against g (<= kMaxN512) activation rows x: out[r * kMaxN512 + n].
 template <int QT>
 inline void DotGroupAvx512(const uint8_t* row, int64_t row_bytes, int64_t cols, const float* x,
                            int g, int mr, float* out) {
   if constexpr (QT != kF32 && QT != kF16) {
     if (g == 1) {  // one activation row: DotRowAvx512, once per weight row
-      for (int r = 0; r < mr; ++r) DotRowAvx512<QT, 1>(row + r * row_bytes, cols, x, out + r * kMaxN512);
+      for (int r = 0; r < mr; ++r)
+        DotRowAvx512<QT, 1>(row + r * row_bytes, cols, x, out + r * kMaxN512);
       return;
     }
     switch (g * 2 + mr - 1) {
