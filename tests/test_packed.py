@@ -60,6 +60,32 @@ def test_packed_matmul_matches_gguf_dequantize(name, M, C, N):
     assert np.array_equal(kernels.packed_dequantize(w_MxR, qtype, C).numpy(), ref_MxC)
 
 
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("N,zero", [(48, range(11)), (8, (1, 5, 6)), (9, (8,)), (3, (0, 1, 2))])
+def test_zero_rows_are_skipped_and_the_others_multiply_as_without_them(name, N, zero):
+    """Rows of zeros (what the runtime makes of a prompt's padding and a lane's free rows) give
+    zero outputs, and the other rows come out bit for bit as the same rows multiplied alone:
+    the kernel multiplies only those, packed together."""
+    import tensorflow as tf
+
+    C, M = 96, 70
+    rng = np.random.default_rng(N)
+    w_MxR, ref_MxC = packed_rows(rng.standard_normal((M, C)).astype(np.float32), name)
+    x_NxC = rng.standard_normal((N, C)).astype(np.float32)
+    x_NxC[list(zero)] = 0.0
+    live = [n for n in range(N) if n not in set(zero)]
+    qtype = kernels.QTYPES[name]
+    compiled = tf.function(lambda x, w: kernels.packed_matmul(x, w, qtype, C), jit_compile=True)
+    for run in (lambda x: kernels.packed_matmul(x, w_MxR, qtype, C).numpy(),
+                lambda x: compiled(x, w_MxR).numpy()):
+        got = run(x_NxC)
+        assert not got[list(zero)].any()
+        if live:
+            assert np.array_equal(got[live], run(x_NxC[live]))
+            np.testing.assert_allclose(got[live], x_NxC[live] @ ref_MxC.T, rtol=0,
+                                       atol=1e-5 * np.sqrt(C) * np.abs(ref_MxC).max())
+
+
 def q8_activations(x_NxC):
     """``x`` rounded as the int8 route rounds it: per block of 32, scale ``d = max|x| / 127``,
     ``q = rint(x / d)`` (ties to even, float32 math); returns ``q * d`` and ``d`` (N, C/32)."""
@@ -401,6 +427,9 @@ PROMPTS = [[1, 5, 9, 14, 30], [1, 44, 7]]
 
 
 def test_packed_decode_matches_float32_on_one_and_two_workers(tiny_gguf, cluster):
+    """The same tokens and, up to summation order, logits as the float32 path; with three
+    prompts of three lengths the packed path also skips the padding's rows in the prompts'
+    matmuls and the fourth, free row of the batch in every decode step."""
     packed = tfnb.load_model(tiny_gguf, progress=False)
     floats = tfnb.load_model(tiny_gguf, weights="float32", progress=False)
     ref = tfnb.place(floats, [cluster.devices[0]], cluster)
@@ -410,6 +439,8 @@ def test_packed_decode_matches_float32_on_one_and_two_workers(tiny_gguf, cluster
         placed = tfnb.place(packed, devices, cluster)
         assert len(set(placed.assignment.values())) == len(devices)
         assert placed.generate_ids(PROMPTS, max_new_tokens=12) == want_ids
+        assert placed.generate_ids(PROMPTS + [[1, 8]], max_new_tokens=12) == \
+            ref.generate_ids(PROMPTS + [[1, 8]], max_new_tokens=12)
         for got, want in zip(placed.logits(PROMPTS), want_logits):
             # the same float math but for summation order: within 1e-4 of the logits' range
             assert np.abs(got - want).max() <= 1e-4 * np.ptp(want)

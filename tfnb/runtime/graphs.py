@@ -122,6 +122,9 @@ def segment_functions(seg: Segment, params: dict, caches, cfg, eos_ids, pad_id) 
 
     def head(h_BxD, pos_B, mode, head_in: HeadIn):
         done_B, floats_Bx2, ints_Bx2 = head_in
+        if L.SKIP_UNREAD_ROWS and L.is_packed(params["out_DxV"]):
+            # a done row's token is dropped: its zero row costs the packed matmul nothing
+            h_BxD = tf.where(done_B[:, None], tf.zeros_like(h_BxD), h_BxD)
         logits_BxV = L.logits(h_BxD, params["final_norm"], params["out_DxV"], cfg)
         seeds_Bx2 = tf.stack([ints_Bx2[:, 1], pos_B], axis=1)  # the token's position
         tok_B = L.next_token(logits_BxV, mode, floats_Bx2[:, 0], ints_Bx2[:, 0],

@@ -117,6 +117,11 @@ DEQUANTIZE_ROWS = 1024
 # than the float route on AVX2 CPUs, no faster where the float route has its AVX-512 code.
 PACKED_ACTIVATIONS = "float32"
 
+# Rows nobody reads (a prompt's left padding, a lane's free rows) enter a packed model's
+# matmuls as zeros, which the packed kernel skips (``kernels.packed_matmul``); the rows that
+# are read compute exactly as before. Read when a step is traced.
+SKIP_UNREAD_ROWS = True
+
 # The op wrappers load (and may build) the op library: AutoGraph would try to convert that
 # Python when a step is traced and warn that it cannot ("could not transform <function exists>").
 _packed_matmul = tf.autograph.experimental.do_not_convert(kernels.packed_matmul)
@@ -236,8 +241,23 @@ def _swiglu(gate_up_BxTx2F):
     return tf.nn.silu(gate_BxTxF) * up_BxTxF
 
 
-def _mlp_residual(x_BxTxD, attn_BxTxHE, p: BlockParams, cfg):
-    x_BxTxD, h_BxTxD = _add_norm(x_BxTxD, dense(attn_BxTxHE, p.wo), p.mlp_norm, cfg.norm_eps)
+def _read_rows(p: BlockParams, read_BxT):
+    """``(B, T, 1)`` float32: 1 for rows that are read, 0 for the others, when a packed block
+    skips the others (:data:`SKIP_UNREAD_ROWS`); else None."""
+    if not (SKIP_UNREAD_ROWS and is_packed(p.wqkv)):
+        return None
+    return tf.cast(read_BxT, tf.float32)[..., None]
+
+
+def _zero_unread(x_BxTxC, read_BxTx1):
+    """``x`` with the rows nobody reads zeroed (the packed matmul then skips them)."""
+    return x_BxTxC if read_BxTx1 is None else x_BxTxC * read_BxTx1
+
+
+def _mlp_residual(x_BxTxD, attn_BxTxHE, p: BlockParams, cfg, read_BxTx1=None):
+    x_BxTxD, h_BxTxD = _add_norm(x_BxTxD, dense(_zero_unread(attn_BxTxHE, read_BxTx1), p.wo),
+                                 p.mlp_norm, cfg.norm_eps)
+    h_BxTxD = _zero_unread(h_BxTxD, read_BxTx1)
     return x_BxTxD + dense(_swiglu(dense(h_BxTxD, p.w_gate_up)), p.w_down)
 
 
@@ -247,13 +267,15 @@ def block_prefill(x_BxTxD, p: BlockParams, cache_k, cache_v, pad_B, cfg, first_s
     output and writes its keys and values to slots ``[first_slot, first_slot + T)`` of cache
     rows ``[first_row, first_row + B)`` (attention itself only reads the ``T`` new keys, so a
     prompt may join rows that are already decoding at a later slot)."""
-    h_BxTxD = rms_norm(x_BxTxD, p.attn_norm, cfg.norm_eps)
+    # the padding's queries see no key: their rows are read by no one, so they may be zeros
+    read_BxTx1 = _read_rows(p, tf.range(x_BxTxD.shape[1])[None, :] >= pad_B[:, None])
+    h_BxTxD = _zero_unread(rms_norm(x_BxTxD, p.attn_norm, cfg.norm_eps), read_BxTx1)
     q_BxTxHxE, k_BxKxTxE, v_BxKxTxE = _rope_qkv(dense(h_BxTxD, p.wqkv), pad_B, 0, cfg, p.bqkv)
     _write_cache(cache_k, k_BxKxTxE, first_slot, first_row)
     _write_cache(cache_v, v_BxKxTxE, first_slot, first_row)
     attn_BxTxHE = attention(q_BxTxHxE, k_BxKxTxE, v_BxKxTxE,
                             prefill_mask(pad_B, x_BxTxD.shape[1]))
-    return _mlp_residual(x_BxTxD, attn_BxTxHE, p, cfg)
+    return _mlp_residual(x_BxTxD, attn_BxTxHE, p, cfg, read_BxTx1)
 
 
 def block_decode(x_Bx1xD, p: BlockParams, cache_k, cache_v, pad_B, slot, cfg, window=None):
@@ -263,7 +285,9 @@ def block_decode(x_Bx1xD, p: BlockParams, cache_k, cache_v, pad_B, slot, cfg, wi
     The ``B`` rows are the cache's first ``B`` (a cache may hold more rows than are busy), and
     attention reads only its first ``window`` slots (static; default all), which must cover
     ``slot``."""
-    h_Bx1xD = rms_norm(x_Bx1xD, p.attn_norm, cfg.norm_eps)
+    # a free row (pad past the slot: it sees nothing) is read by no one
+    read_Bx1x1 = _read_rows(p, (pad_B <= slot)[:, None])
+    h_Bx1xD = _zero_unread(rms_norm(x_Bx1xD, p.attn_norm, cfg.norm_eps), read_Bx1x1)
     q_Bx1xHxE, k_BxKx1xE, v_BxKx1xE = _rope_qkv(dense(h_Bx1xD, p.wqkv), pad_B, slot, cfg,
                                                     p.bqkv)
     _write_cache(cache_k, k_BxKx1xE, slot)
@@ -275,7 +299,7 @@ def block_decode(x_Bx1xD, p: BlockParams, cache_k, cache_v, pad_B, slot, cfg, wi
         # (tfnb/kernels/attention.cc); float32 models keep the plain TF ops below
         attn_BxHE = _decode_attention(q_Bx1xHxE[:, 0], cache_k.read_value(),
                                       cache_v.read_value(), pad_B, slot, S)
-        return _mlp_residual(x_Bx1xD, attn_BxHE[:, None], p, cfg)
+        return _mlp_residual(x_Bx1xD, attn_BxHE[:, None], p, cfg, read_Bx1x1)
     # The rows are gathered, not sliced: probed on TF 2.21's XLA:CPU (30 caches of SmolLM2's
     # shape, 8 rows, one core), reading rows [:B] of the updated cache made XLA copy every cache
     # in full each step for any 1 < B (about 40 ms, 3-5x a decode step), gathering them did not.

@@ -84,6 +84,8 @@ __all__ = ["Scheduler", "Lane", "Ticket", "Seq", "CHUNK_STEPS", "MIN_SLOTS", "MA
 CHUNK_STEPS = 16  # decode steps per call at most: how long a new request may wait to join
 MIN_SLOTS = 256   # cache slots per lane at least, so requests join without moving the caches
 MAX_ROWS = 8      # rows per lane at least (more when one request brings more prompts)
+FREE_PAD = 1 << 30  # a free row's padding: past every slot of every step of a chunk, so the
+#                     row attends nothing and its matmul rows are skipped (tfnb.runtime.llama)
 IDLE_EXIT_S = 30.0  # a lane's driver thread ends after this long without work
 RECENT = 32        # finished requests a scheduler remembers for its status
 _MODES = ("greedy", "sample", "filter")
@@ -415,7 +417,7 @@ class Lane:
         self._compact(min(s.pad for _, s in busy), n)
         window = min(self.slots, bucket(self.slot + n, 64, fine=False))
         tok = np.full((B,), pm.pad_id, np.int32)
-        pad = np.full((B,), self.slot + 1, np.int32)  # free rows see nothing
+        pad = np.full((B,), FREE_PAD, np.int32)  # free rows see nothing, and nobody reads them
         done = np.ones((B,), bool)
         floats = np.tile(np.float32([0.0, 1.0]), (B, 1))
         ints = np.zeros((B, 2), np.int32)
