@@ -449,6 +449,27 @@ def test_packed_decode_matches_float32_on_one_and_two_workers(tiny_gguf, cluster
     assert var_bytes == packed.nbytes + packed.weights["embed"].nbytes
 
 
+def test_calibration_times_a_packed_blocks_matmuls(tmp_path):
+    """Calibration feeds its loops rows that are not zeros: the packed kernel skips zero rows,
+    and a block fed zeros passes zeros on, so such a loop would time a packed block's matmuls
+    as free (3% of the float32 block's time, probed). Timed, a packed block's decode step
+    costs a good part of the float32 one's (its 4 MB of weights against 25 MB)."""
+    from tfnb.runtime.calibrate import time_stages
+
+    config = llama.tiny_config(hidden_size=1024, ffn_size=4096, n_layers=1, n_heads=8,
+                               n_kv_heads=4)
+    path = tmp_path / "wide-q.gguf"
+    write_quantized_gguf(path, config, llama.random_weights(config, 5),
+                         {"embed": "Q8_0", "attn": "Q4_0", "ffn": "Q4_1"})
+    packed = tfnb.load_model(path, progress=False)
+    dev = "/device:CPU:0"
+    kw = dict(slots=64, steps=4, repeats=3, stream_bytes=0)
+    packed_s = time_stages(packed.config, [dev], like=packed.weights, **kw)[dev]
+    float_s = time_stages(packed.config, [dev], **kw)[dev]
+    for kind in ("block", "head"):
+        assert packed_s[kind] > 0.1 * float_s[kind], (kind, packed_s, float_s)
+
+
 def test_a_packed_models_profile_counts_its_in_place_attention_as_attention(tiny_gguf, cluster):
     """A packed model's decode steps attend through tfnb's op inside the compiled blocks, and a
     profile of them books that op's time as attention, not as a matmul (tfnb's other custom
