@@ -453,7 +453,8 @@ def test_calibration_times_a_packed_blocks_matmuls(tmp_path):
     """Calibration feeds its loops rows that are not zeros: the packed kernel skips zero rows,
     and a block fed zeros passes zeros on, so such a loop would time a packed block's matmuls
     as free (3% of the float32 block's time, probed). Timed, a packed block's decode step
-    costs a good part of the float32 one's (its 4 MB of weights against 25 MB)."""
+    costs a good part of the float32 one's (its 4 MB of weights against 25 MB). And a step
+    reads as many cache slots as it is told to attend (4x the time at 1024 as at 16 slots)."""
     from tfnb.runtime.calibrate import time_stages
 
     config = llama.tiny_config(hidden_size=1024, ffn_size=4096, n_layers=1, n_heads=8,
@@ -468,6 +469,17 @@ def test_calibration_times_a_packed_blocks_matmuls(tmp_path):
     float_s = time_stages(packed.config, [dev], **kw)[dev]
     for kind in ("block", "head"):
         assert packed_s[kind] > 0.1 * float_s[kind], (kind, packed_s, float_s)
+    # a packed model's attention reads a row's slots in place, up to its current one: a step
+    # is timed attending what it is asked to, not the few slots a count from 0 would reach
+    # (a block whose caches outweigh its weights: 8 KV heads of 32 over 1024 slots, 8 rows)
+    config = llama.tiny_config(hidden_size=256, ffn_size=512, n_layers=1, n_heads=8,
+                               n_kv_heads=8)
+    write_quantized_gguf(path, config, llama.random_weights(config, 6),
+                         {"embed": "Q8_0", "attn": "Q4_0", "ffn": "Q4_1"})
+    kv = tfnb.load_model(path, progress=False)
+    kw = dict(slots=1024, steps=4, repeats=3, stream_bytes=0, like=kv.weights, batch=8)
+    few, all_ = (time_stages(kv.config, [dev], attend=a, **kw)[dev]["block"] for a in (16, 1024))
+    assert all_ > 2 * few, (few, all_)
 
 
 def test_a_packed_models_profile_counts_its_in_place_attention_as_attention(tiny_gguf, cluster):

@@ -532,18 +532,20 @@ def test_plan_times_the_prefill_of_a_served_prompt(cluster):
 
 
 def test_a_served_plan_times_decode_at_the_requests_window_not_the_whole_cache(cluster):
-    """With ``prompt_len`` and ``new_tokens`` the decode steps are timed attending the slots
-    such requests reach (as the runtime's window does), not all of ``context_len``: a plan for
-    short requests over a long cache carries the figures of a short context, the very ones a
-    plan for that context calibrated (one cached calibration, not a second one)."""
+    """With ``prompt_len`` and ``new_tokens`` the decode steps are timed over the caches such
+    requests reach (as the runtime's window does), not all of ``context_len``, each step
+    reading what such a request reads on average: a plan for short requests over a long cache
+    carries the figures of a short context, the very ones a plan for that context calibrated
+    (one cached calibration, not a second one)."""
     from tfnb.placement import clear_cache
-    from tfnb.placement.planners import as_topology, attended_context
+    from tfnb.placement.planners import as_topology, attended_context, mean_attended
 
     model = tiny("llama")
     clear_cache()
-    short = as_topology(cluster, model, 1, 64)
+    short = as_topology(cluster, model, 1, 24)
     served = plan(model, cluster, context_len=1024, prompt_len=20, new_tokens=8)
     assert attended_context(1024, 20, 8) == 32          # 20 tokens pad to 24, then 8 more
+    assert mean_attended(1024, 20, 8) == 24             # the prompt and half the new tokens
     assert as_topology(cluster, model, 1, 1024, 20, None, 8).stage_times == short.stage_times
     dev = served.assignment["embed"]
     assert served.prediction.stage_s["block.0"] == short.stage_times[("block.0", dev)]

@@ -290,12 +290,15 @@ def _cluster_key(cluster, devices) -> tuple:
 
 
 def calibrate(model, cluster, topology: Topology | None = None, *, batch: int = 1,
-              context_len: int = 1024, prompt_len: int = 0, refresh: bool = False) -> dict:
+              context_len: int = 1024, prompt_len: int = 0, attend: int | None = None,
+              refresh: bool = False) -> dict:
     """``{(stage, device): seconds per decode step}`` for every stage of ``model`` on every
     device of ``cluster``, timed on each device; devices of one class whose times are alike
     (within ``ALIKE``) share the mean of their figures (cached per cluster, model, batch, cache
-    size and prompt). With ``prompt_len``: seconds per prefill of ``batch`` prompts of that many
-    tokens instead (a few calls each: a prefill is about as long as a decode loop).
+    size and prompt). Each decode step attends ``attend`` slots (default: the whole
+    ``context_len``). With ``prompt_len``: seconds per prefill of ``batch`` prompts of that many
+    tokens instead (a few calls each: a prefill is about as long as a decode loop), padded as
+    the runtime pads them.
 
     Examples
     --------
@@ -310,17 +313,21 @@ def calibrate(model, cluster, topology: Topology | None = None, *, batch: int = 
     config = model.config
     topology = topology or measure_topology(cluster)
     slots = bucket(max(1, context_len), 64, maximum=max(64, config.max_context))
+    padded = pad = 0
     if prompt_len:  # padded as the runtime pads a prompt (tfnb.runtime.scheduler.Ticket)
-        prompt_len = bucket(prompt_len, 16)
-        slots = max(slots, bucket(prompt_len, 64, maximum=max(64, config.max_context)))
+        padded = bucket(prompt_len, 16)
+        pad = padded - prompt_len
+        slots = max(slots, bucket(padded, 64, maximum=max(64, config.max_context)))
+    attend = None if prompt_len or attend is None else min(slots, attend)
     weights = getattr(model, "weights", None)
     kinds = tuple(sorted({getattr(w, "qtype", -1) for w in (weights or {}).values()}))
     key = ("stages", _cluster_key(cluster, topology.devices), getattr(model, "name", None),
-           repr(config), kinds, batch, slots, prompt_len)
+           repr(config), kinds, batch, slots, prompt_len, attend)
     if refresh or key not in _CACHE:
         calls = {"steps": 3, "repeats": 5} if prompt_len else {}
         _CACHE[key] = stage_table(time_stages(config, topology.devices, batch=batch, slots=slots,
-                                              like=weights, prompt=prompt_len, **calls),
+                                              like=weights, prompt=padded, pad=pad,
+                                              attend=attend, **calls),
                                   topology, config.n_layers)
     return _CACHE[key]
 

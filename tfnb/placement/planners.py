@@ -40,7 +40,7 @@ from tfnb.placement.plan import Plan
 BEAM = 16  # states kept per level when the exact search is too large (200 stages x 16 kinds: < 1 s)
 
 __all__ = ["plan", "memory_assignment", "greedy_assignment", "optimal_assignment",
-           "replicate_devices", "as_topology", "attended_context"]
+           "replicate_devices", "as_topology", "attended_context", "mean_attended"]
 
 
 def _chain(model_or_chain):
@@ -60,8 +60,9 @@ def as_topology(cluster_or_topology, model=None, batch: int = 1,
     topology also carries the stage times measured on the cluster for ``batch`` and
     ``context_len`` (:func:`tfnb.placement.measure.calibrate`), which replace the FLOP-based
     estimate, and with ``prompt_len`` the times of one prompt's prefill. With ``new_tokens``
-    too the decode steps are timed attending what such requests attend
-    (:func:`attended_context`), not the whole ``context_len``. A list of device
+    too the decode steps are timed over the caches such requests reach
+    (:func:`attended_context`), not the whole ``context_len``, each step reading what such a
+    request reads on average (:func:`mean_attended`). A list of device
     strings gives a topology with unlimited memory, equal speeds and equal links (placement then
     only balances the chain). ``devices`` (with a cluster) measures those of its devices only.
 
@@ -85,7 +86,8 @@ def as_topology(cluster_or_topology, model=None, batch: int = 1,
             batch, context_len = check_load(batch, context_len)
             topo = topo.with_stage_times(measure.calibrate(
                 model, cluster_or_topology, topo, batch=batch,
-                context_len=attended_context(context_len, prompt_len, new_tokens)))
+                context_len=attended_context(context_len, prompt_len, new_tokens),
+                attend=mean_attended(context_len, prompt_len, new_tokens)))
             if prompt_len:
                 topo = topo.with_prefill_times(measure.calibrate(
                     model, cluster_or_topology, topo, context_len=context_len,
@@ -116,6 +118,19 @@ def attended_context(context_len: int, prompt_len: int = 0, new_tokens: int = 0)
     from tfnb.runtime.requests import bucket  # the runtime's padding of a prompt
 
     return min(context_len, bucket(prompt_len, 16) + new_tokens)
+
+
+def mean_attended(context_len: int, prompt_len: int = 0, new_tokens: int = 0) -> int:
+    """The slots a decode step reads on average: ``context_len``, or for served requests of
+    ``prompt_len`` + ``new_tokens`` tokens their prompt and half their new tokens (a packed
+    model's attention reads a row's own slots only, in place), at most ``context_len``.
+
+    >>> mean_attended(256, 37, 48), mean_attended(1024), mean_attended(40, 37, 48)
+    (61, 1024, 40)
+    """
+    if not (prompt_len and new_tokens):
+        return context_len
+    return min(context_len, prompt_len + new_tokens // 2)
 
 
 def _placeable(model) -> bool:

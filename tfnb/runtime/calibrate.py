@@ -25,12 +25,17 @@ measure a device's speed. So ``time_stages`` runs the runtime's compiled decode 
   less than generate measured; the median's sum came within -12% to +1%, with and without
   a busy process sharing a worker's core.
 
-The caches have ``slots`` slots (decode attends over all of them, masked), as in a generate
-call whose prompt and new tokens fit ``slots``.
+The caches have ``slots`` slots, and each timed step attends ``attend`` of them (all by
+default): a packed model's attention reads only the slots up to a row's current one, in place
+(``tfnb/kernels/attention.cc``), so a loop whose slot counted up from 0 timed its attention over
+a few slots only (probed on SmolLM2, 4 rows: a step over the whole model calibrated at 14.5-15.2
+ms where the runtime ran 16.1-18.1 ms, its rows attending 37-85 slots). A float32 model's
+attention reads every slot of its window, which here is the whole cache.
 
 With ``prompt=P`` the loops run each segment's prefill of ``batch`` prompts of ``P`` tokens
 instead (seconds per call): what a request costs before its first token, which a served
-model pays once per request between its decode steps.
+model pays once per request between its decode steps. ``pad`` of those tokens are left padding,
+as the runtime pads a prompt to its bucket; a packed model skips their rows, as it does there.
 """
 
 from __future__ import annotations
@@ -55,7 +60,8 @@ __all__ = ["time_stages", "stage_timer", "CALIBRATION_TIMEOUT_S"]
 CALIBRATION_TIMEOUT_S = 600.0  # the longest a calibration may take (it compiles per device)
 
 
-def _loops(small, weights, device: str, batch: int, slots: int, prompt: int = 0) -> dict:
+def _loops(small, weights, device: str, batch: int, slots: int, prompt: int = 0,
+           pad: int = 0, attend: int | None = None) -> dict:
     """``{kind: loop}`` for the embedding, ``small``'s blocks and the head, on ``device``
     (their decode steps, or with ``prompt`` their prefills of that many tokens)."""
     names = stage_names(small.n_layers)
@@ -75,7 +81,7 @@ def _loops(small, weights, device: str, batch: int, slots: int, prompt: int = 0)
     for kind, (seg, p, c) in parts.items():
         fns = segment_functions(seg, p, c, small, eos, 0)
         out[kind] = timed_loop(fns.prefill if prompt else fns.decode, device, kind, small, batch,
-                               prompt)
+                               prompt, pad, slots if attend is None else attend)
     return out
 
 
@@ -97,9 +103,11 @@ def _per_step(loops: dict, steps: int, repeats: int) -> dict:
             for name, t in took.items()}
 
 
-def timed_loop(fn, device: str, kind: str, config, batch: int, prompt: int = 0):
-    """``f(n)``: ``fn`` (a segment's decode function, or with ``prompt`` its prefill of that
-    many tokens) run ``n`` times on ``device`` in a graph loop."""
+def timed_loop(fn, device: str, kind: str, config, batch: int, prompt: int = 0, pad: int = 0,
+               attend: int = 1):
+    """``f(n)``: ``fn`` (a segment's decode function attending ``attend`` slots, or with
+    ``prompt`` its prefill of that many tokens, ``pad`` of them padding) run ``n`` times on
+    ``device`` in a graph loop."""
     D = config.hidden_size
 
     @tf.function
@@ -109,17 +117,18 @@ def timed_loop(fn, device: str, kind: str, config, batch: int, prompt: int = 0):
             # block's zero input stays zero through every block of the loop
             x = tf.ones([batch, max(1, prompt), D])
             tok = tf.zeros([batch], tf.int32)
-            pad = tf.zeros([batch], tf.int32)
+            pad_B = tf.fill([batch], pad)
             head_in = tuple(HeadIn.greedy(batch))
 
             def body(i, x, tok):
                 with tf.device(device):
                     if prompt:  # the same slots every time: a prefill's cost does not move
-                        ctl = pack_prefill_ctl(0, 0, pad)
+                        ctl = pack_prefill_ctl(0, 0, pad_B)
                         seg_x = tf.zeros([batch, prompt], tf.int32) + tok[:, None] \
                             if kind == "embed" else x
                     else:
-                        ctl = pack_ctl(1 + i, pad, tok if kind == "embed" else None)
+                        # every step writes and attends slot attend - 1: the same cost
+                        ctl = pack_ctl(attend - 1, pad_B, tok if kind == "embed" else None)
                         seg_x = None if kind == "embed" else x
                     if kind == "head":
                         tok, _ = fn(x, ctl, "greedy", head_in)
@@ -140,12 +149,12 @@ def timed_loop(fn, device: str, kind: str, config, batch: int, prompt: int = 0):
 
 def stage_timer(config, devices, *, batch: int = 1, slots: int = 128,
                 stream_bytes: float = 128e6, seed: int = 0, like: dict | None = None,
-                prompt: int = 0):
+                prompt: int = 0, pad: int = 0, attend: int | None = None):
     """Build the timed loops once; ``timer(steps, repeats)`` then gives what
     :func:`time_stages` gives, as often as needed (a benchmark times the stages between its
     own calls with it, so both see the machine in the same state). ``like``: the model's
     weights, whose packed tensors' types the random weights take; ``prompt``: time prefills
-    of that many tokens."""
+    of that many tokens (``pad`` of them padding); ``attend``: the slots a decode step reads."""
     packed = bool(like) and any(isinstance(w, PackedTensor) for w in like.values())
     block_bytes = llama_chain(config, like if packed else None)["block.0"].param_bytes
     k = max(1, min(config.n_layers, math.ceil(stream_bytes / block_bytes)))
@@ -156,7 +165,8 @@ def stage_timer(config, devices, *, batch: int = 1, slots: int = 128,
     # bounded like every call on the cluster: a silent worker fails calibration in seconds
     loops = call_with_deadline(
         lambda: {(dev, kind): loop for dev in devices
-                 for kind, loop in _loops(small, weights, dev, batch, slots, prompt).items()},
+                 for kind, loop in _loops(small, weights, dev, batch, slots, prompt, pad,
+                                          attend).items()},
         (), timeout=CALIBRATION_TIMEOUT_S, devices=devices, what="calibration (weights)")
 
     def timer(steps: int = 32, repeats: int = 9) -> dict:
@@ -170,7 +180,8 @@ def stage_timer(config, devices, *, batch: int = 1, slots: int = 128,
 
 def time_stages(config, devices, *, batch: int = 1, slots: int = 128, steps: int = 32,
                 repeats: int = 9, stream_bytes: float = 128e6, seed: int = 0,
-                like: dict | None = None, prompt: int = 0) -> dict:
+                like: dict | None = None, prompt: int = 0, pad: int = 0,
+                attend: int | None = None) -> dict:
     """``{device: {"embed": s, "block": s, "head": s}}``: seconds per decode step of the
     embedding, one block and the head on each of ``devices`` (with ``prompt``: seconds per
     prefill of ``batch`` prompts of ``prompt`` tokens).
@@ -190,6 +201,8 @@ def time_stages(config, devices, *, batch: int = 1, slots: int = 128, steps: int
     stream_bytes : the consecutive blocks timed together hold at least this many weight bytes
     like : the model's weights: its packed tensors' ggml types are timed (default: float32)
     prompt : time prefills of prompts this long instead of decode steps (``slots`` >= it)
+    pad : of the prompt's tokens, how many are left padding (0 to ``prompt - 1``)
+    attend : the slots each decode step reads (1 to ``slots``; default all of them)
 
     Examples
     --------
@@ -200,5 +213,10 @@ def time_stages(config, devices, *, batch: int = 1, slots: int = 128, steps: int
     """
     if prompt and not 0 < prompt <= slots:
         raise ValueError(f"prompt={prompt!r}: expected 1 to slots ({slots}) tokens")
+    if not 0 <= pad < max(1, prompt):
+        raise ValueError(f"pad={pad!r}: expected 0 to prompt - 1 ({max(1, prompt) - 1}) tokens")
+    if attend is not None and not 0 < attend <= slots:
+        raise ValueError(f"attend={attend!r}: expected 1 to slots ({slots}) slots")
     return stage_timer(config, devices, batch=batch, slots=slots, stream_bytes=stream_bytes,
-                       seed=seed, like=like, prompt=prompt)(steps, repeats)
+                       seed=seed, like=like, prompt=prompt, pad=pad,
+                       attend=attend)(steps, repeats)
