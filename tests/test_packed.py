@@ -86,6 +86,24 @@ def test_zero_rows_are_skipped_and_the_others_multiply_as_without_them(name, N, 
                                        atol=1e-5 * np.sqrt(C) * np.abs(ref_MxC).max())
 
 
+def test_a_zero_row_is_not_multiplied():
+    """A zero row is skipped, not multiplied by zeros: against a weight that holds NaN it
+    still gives 0, where a product would give NaN (as the row that is multiplied does)."""
+    import tensorflow as tf
+
+    w_MxC = np.ones((3, 32), np.float32)
+    w_MxC[1, 5] = np.nan
+    x_NxC = np.ones((2, 32), np.float32)
+    x_NxC[0] = 0.0
+    w_MxR = w_MxC.view(np.uint8)
+    compiled = tf.function(lambda x: kernels.packed_matmul(x, w_MxR, kernels.QTYPES["F32"], 32),
+                           jit_compile=True)
+    for got in (kernels.packed_matmul(x_NxC, w_MxR, kernels.QTYPES["F32"], 32).numpy(),
+                compiled(x_NxC).numpy()):
+        assert np.array_equal(got[0], [0.0, 0.0, 0.0])
+        assert np.isnan(got[1, 1]) and got[1, 0] == got[1, 2] == 32.0
+
+
 def q8_activations(x_NxC):
     """``x`` rounded as the int8 route rounds it: per block of 32, scale ``d = max|x| / 127``,
     ``q = rint(x / d)`` (ties to even, float32 math); returns ``q * d`` and ``d`` (N, C/32)."""
