@@ -832,12 +832,15 @@ void Rows(int qtype, const uint8_t* w, int64_t row_bytes, int64_t cols, const fl
 template <typename ParallelFor>
 void PackedMatMul(int qtype, const uint8_t* w, int64_t rb, int64_t cols, const float* x,
                   int64_t N, float* y, int64_t M, bool int8, ParallelFor&& parallel_for) {
-  std::vector<int64_t> live;
-  for (int64_t n = 0; n < N; ++n) {
-    const float* row = x + n * cols;
-    if (std::any_of(row, row + cols, [](float v) { return v != 0.f; })) live.push_back(n);
-  }
-  if (static_cast<int64_t>(live.size()) < N) {
+  const auto read = [&](int64_t n) {
+    return std::any_of(x + n * cols, x + (n + 1) * cols, [](float v) { return v != 0.f; });
+  };
+  int64_t first_zero = 0;  // most calls have none: nothing allocated for them
+  while (first_zero < N && read(first_zero)) ++first_zero;
+  if (first_zero < N) {
+    std::vector<int64_t> live;
+    for (int64_t n = 0; n < N; ++n)
+      if (n < first_zero || (n > first_zero && read(n))) live.push_back(n);
     std::fill(y, y + N * M, 0.f);
     const int64_t L = static_cast<int64_t>(live.size());
     if (L == 0) return;
