@@ -456,7 +456,8 @@ def test_a_directory_or_another_models_plan_is_refused(tmp_path):
 def test_served_requests_count_their_prefills():
     """With ``prompt_len`` and ``new_tokens`` the throughput is of requests that each prefill
     a prompt and then decode: batch * new / max over resources of (batch * prefill + new *
-    step), for a split and for replicas; without them it is the decode steps' rate."""
+    step), a device's prefill counting the wait while a prompt fills another device, for a
+    split and for replicas; without them it is the decode steps' rate."""
     chain = tiny("llama").chain
     names = chain.names
     step = {"a": 2e-3, "b": 1e-3}   # seconds per decode step of each stage on each device
@@ -468,8 +469,13 @@ def test_served_requests_count_their_prefills():
     decode = predict(chain, split, topo, batch=4)
     assert decode.throughput == pytest.approx(4 / (2 * 2e-3))   # device a: 2 stages
     served = predict(chain, split, topo, batch=4, prompt_len=40, new_tokens=16)
-    busy = {"a": 4 * 2 * 10e-3 + 16 * 2 * 2e-3, "b": 4 * 2 * 30e-3 + 16 * 2 * 1e-3}
-    assert served.throughput == pytest.approx(4 * 16 / max(busy.values()))   # b now bounds it
+    # a prompt holds the pipeline: while it fills one device the other lane's step queues
+    # there, so the other device does that one step (2 * step) and then waits
+    own = {"a": 2 * 10e-3, "b": 2 * 30e-3}
+    wait = {"a": own["b"] - 2 * 2e-3, "b": own["a"] - 2 * 1e-3}
+    busy = {d: 4 * (own[d] + wait[d]) + 16 * 2 * step[d] for d in "ab"}
+    assert served.throughput == pytest.approx(4 * 16 / max(busy.values()))
+    assert served.throughput < 4 * 16 / (4 * own["b"] + 16 * 2 * step["b"])  # its own work
     assert served.decode_throughput == pytest.approx(decode.throughput)
     assert served.prefill_s == {s: pre[d] for s, d in split.items()}
     assert "serving requests of 40 prompt + 16 new tokens" in str(
@@ -504,7 +510,11 @@ def test_slow_hops_make_the_lanes_bound_the_rate():
     assert four.throughput == pytest.approx(4 / 2e-3) and four.limit == "compute on a"
     served = predict(chain, split, topo, batch=4, prompt_len=8, new_tokens=16)
     ring = (4 * 5e-3 + 2e-3) / 2, 6e-3 / 2                      # per prompt, per step
-    assert served.throughput == pytest.approx(4 * 16 / (4 * ring[0] + 16 * ring[1]))
+    # a device: its own prefill (10 ms) and the wait while the prompt fills the other
+    # (10 ms less the other lane's one step of 2 ms)
+    device = 10e-3 + (10e-3 - 2e-3), 2e-3
+    assert served.throughput == pytest.approx(4 * 16 / max(4 * ring[0] + 16 * ring[1],
+                                                           4 * device[0] + 16 * device[1]))
     alone = predict(chain, dict.fromkeys(names, "a"), topo, batch=4)
     assert (alone.lanes, alone.throughput, alone.limit) == (1, pytest.approx(4 / 4e-3),
                                                             "compute on a")
