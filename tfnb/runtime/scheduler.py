@@ -53,6 +53,16 @@ prompts of 37 tokens: 473-511 ms in one call against 560-613 ms in four, one one
 but every group size then compiles once per lane and prompt length (7-10 s there) and served
 throughput did not move beyond the noise, so arrivals keep one shape per prompt length.
 
+Nor does a prompt on a split go in chunks. While one lane's prompt fills a worker, the other
+lane's next step waits behind it and the other worker idles
+(:mod:`tfnb.placement.cost` counts that wait). Calls of a few prompt positions each, every
+chunk attending the keys the earlier ones stored, would let that step through between them.
+Probed on SmolLM2 split over two one-core workers (8 clients of 2 requests, 48 tokens, the
+settings alternated in one process, 4 rounds each): the whole prompt in one call gave 203-210
+tokens/s; chunks of 16 positions (3 calls for the 48-position prompt) gave 194-204; chunks of
+8 gave 176-182. A lone prompt's prefill and first token took 136, 141 and 178 ms. Each call's
+own cost outweighed the wait it saved.
+
 Examples
 --------
 >>> import threading
