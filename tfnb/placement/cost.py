@@ -467,14 +467,14 @@ def predict(chain, assignment: dict, topology: Topology, batch: int = 1,
     # prompt once per prefill), so together they finish `lanes` batches per round
     lane_s, ring = latency / lanes, "lanes"
     decode = batch / max(slowest, lane_s) if max(slowest, lane_s) > 0 else math.inf
-    ring_prefill = sum(prefill.values()) / lanes
-    # a prompt holds the pipeline (module docstring): the other devices wait meanwhile
-    own = {k: prefill.get(k, 0.0) for k in busy if k.startswith("compute on ")}
-    for j in own:
-        prefill[j] = own[j] + sum(max(0.0, p - (lanes - 1) * busy[j])
-                                  for k, p in own.items() if k != j)
-    served = serving_rate(batch, new_tokens, {**busy, ring: lane_s},
-                          {**prefill, ring: ring_prefill}) if prompt_len else decode
+    served = decode
+    if prompt_len:
+        # a prompt holds the pipeline (module docstring): the other devices wait meanwhile
+        own = {k: prefill.get(k, 0.0) for k in busy if k.startswith("compute on ")}
+        waited = {j: p + sum(max(0.0, q - (lanes - 1) * busy[j]) for k, q in own.items() if k != j)
+                  for j, p in own.items()}
+        served = serving_rate(batch, new_tokens, {**busy, ring: lane_s},
+                              {**prefill, **waited, ring: sum(prefill.values()) / lanes})
     return Prediction(latency, served, crossing / batch, memory, capacity, name, slowest,
                       stage_s, decode, prompt_len, new_tokens, prefill_s, lanes, lane_s)
 
