@@ -199,7 +199,8 @@ def test_portable_and_avx2_code_agree_with_this_cpus_best(tmp_path):
     the activations, so every route of each agrees with this machine's best up to summation."""
     rng = np.random.default_rng(5)
     arrays, refs = {}, {}
-    for i, (M, C, N) in enumerate([(7, 96, 3), (11, 576, 9), (6, 160, 2), (5, 96, 8)]):
+    for i, (M, C, N) in enumerate([(7, 96, 3), (11, 576, 9), (6, 160, 2), (5, 96, 8),
+                                         (5, 2336, 9), (4, 2336, 3)]):
         arrays[f"x_{i}"] = rng.standard_normal((N, C)).astype(np.float32)
         arrays[f"x_{i}"][0, 50] = np.nan  # row 0: NaN on both routes, both codes
         for name in ["F16", "Q4_0", "Q4_1", "Q8_0"]:

@@ -13,8 +13,8 @@
 // its logits by about 4% of their spread and flipped a near-tie greedy token, so it is opt-in
 // (benchmarks/results/kernel.md). Where the float route runs its AVX-512 code, the int8 route
 // (AVX2 code only) was no faster on a Zen 5 core (10.9 against 10.7 ms at batch 1); on a KVM
-// Xeon core with AVX-512 it was 1.06x the float route at batch 1 (13.4 against 14.2 ms) and
-// slower from batch 4 (22.2 against 18.3 ms), once the float route decoded through a table.
+// Xeon core with AVX-512 it was 1.05x the float route at batch 1 (12.7 against 13.3 ms) and
+// slower from batch 4 (21.5 against 16.6 ms), once the float route decoded through a table.
 // Rows are sharded over the process's intra-op threads. The code is chosen at run time:
 // AVX-512 (F, BW, VL) for up to 8 activation rows on the float route when the CPU has it,
 // AVX2+FMA+F16C for the rest, portable C++ on other CPUs.
@@ -368,10 +368,12 @@ void RowsAvx2(const uint8_t* w, int64_t row_bytes, int64_t cols, const float* x,
 // a table (one FMA) and its 32 codes look them up (vpermps), and Q4_1's two halves d and m
 // convert in one instruction. A block of 32 is two zmm vectors, and with 32 registers up to 8
 // activation rows keep their accumulators in registers. SmolLM2's matmuls (one XLA function,
-// Q4_1, one core): see benchmarks/results/kernel.md. Tried on the KVM Xeon: the scales of 16
-// blocks gathered and converted at once, each block's then broadcast from memory (no shuffles
-// for them): 8.0-8.2 against 8.8-8.9 ms at 1 row, but 12.1-13.1 against 11.6-11.8 at 4 and
-// 17.6-19.7 against 17.4-17.5 at 8 (SmolLM2's block matmuls), so not kept.
+// Q4_1, one core): see benchmarks/results/kernel.md. Below 8 activation rows the loops take
+// each block's scales from a float copy made before them (BlockScales512, DecodeBlockScaled512).
+// Probed on the KVM Xeon, SmolLM2's matmuls and head in one XLA function, one core, CPU ms,
+// alternated 3 times: 13.0-13.4 against 13.7-13.9 at 1 row, 14.3-14.9 against 15.8-16.0 at 3,
+// 16.3-16.7 against 17.4-17.6 at 4, 19.9-20.0 against 20.7-20.9 at 6; at 8 rows 25.2-25.5
+// against 25.0-25.3, so 8 rows keep this decode.
 #define TFNB_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
 
 constexpr int kMaxN512 = 8;
@@ -405,6 +407,49 @@ TFNB_AVX512 inline void DecodeBlock512(const uint8_t* blk, __m512* w) {
   w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table);
 }
 
+// The scales of `n` (<= 64) consecutive blocks of a quantized row as float32, 16 blocks per
+// gather and conversion: Q4_1 as pairs (d, m) in `out[2b]`, `out[2b + 1]`; Q4_0 and Q8_0 as d
+// in `out[b]`. Lanes past `n` read nothing.
+template <int QT>
+TFNB_AVX512 inline void BlockScales512(const uint8_t* blk, int64_t n, float* out) {
+  const __m512i at = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(BlockBytes<QT>()));
+  for (int64_t b = 0; b < n; b += 16, blk += 16 * BlockBytes<QT>()) {
+    const __mmask16 live = n - b >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - b)) - 1);
+    // a block's first 4 bytes: d and m (Q4_1), or d and two bytes of codes (Q4_0, Q8_0)
+    const __m512i head = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, at, blk, 1);
+    if (QT == kQ4_1) {
+      _mm512_storeu_ps(out + 2 * b, _mm512_cvtph_ps(_mm512_castsi512_si256(head)));
+      _mm512_storeu_ps(out + 2 * b + 16, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(head, 1)));
+    } else {
+      _mm512_storeu_ps(out + b, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head)));
+    }
+  }
+}
+
+// DecodeBlock512 with the block's scales converted already (BlockScales512): the 16 values'
+// table is one FMA (Q4_1) or multiply (Q4_0) reading its scales from memory, so no shuffle
+// broadcasts them. The same values, bit for bit: Q4_0's (q - 8) d is the one rounding of
+// q d - 8 d, as the FMA gives it.
+template <int QT>
+TFNB_AVX512 inline void DecodeBlockScaled512(const uint8_t* blk, const float* s, __m512* w) {
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  if (QT == kQ8_0) {
+    for (int k = 0; k < 2; ++k)
+      w[k] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+          reinterpret_cast<const __m128i*>(blk + 2 + 16 * k)))), _mm512_set1_ps(s[0]));
+    return;
+  }
+  const __m512i codes = _mm512_cvtepu8_epi32(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (QT == kQ4_1 ? 4 : 2))));
+  const __m512 table = QT == kQ4_1
+      ? _mm512_fmadd_ps(iota, _mm512_set1_ps(s[0]), _mm512_set1_ps(s[1]))
+      : _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(8.f)), _mm512_set1_ps(s[0]));
+  w[0] = _mm512_permutexvar_ps(codes, table);
+  w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table);
+}
+
 // As DotRowAvx2: float rows (up to kMaxN512 activation rows; `cols` a multiple of 16) and
 // quantized rows against one activation row (DotRowsAvx512 takes more).
 template <int QT, int NN>
@@ -424,22 +469,30 @@ TFNB_AVX512 void DotRowAvx512(const uint8_t* row, int64_t cols, const float* x, 
     }
   } else {
     static_assert(NN == 1, "quantized rows against 2 or more activation rows: DotRowsAvx512");
+    constexpr int kS = QT == kQ4_1 ? 2 : 1;  // scale floats per block (BlockScales512)
+    alignas(64) float scales[64 * kS];
     const int64_t nb = cols / kBlock;
-    int64_t b = 0;
-    // two blocks a step, four chains (an index computed from b would spill acc)
-    for (; b + 2 <= nb; b += 2, row += 2 * BlockBytes<QT>()) {
-      __m512 w[4];
-      DecodeBlock512<QT>(row, w);
-      DecodeBlock512<QT>(row + BlockBytes<QT>(), w + 2);
-      for (int k = 0; k < 4; ++k)
-        acc[0][k % A] = _mm512_fmadd_ps(w[k], _mm512_loadu_ps(x + b * kBlock + 16 * k),
-                                        acc[0][k % A]);
-    }
-    if (b < nb) {  // an odd block count leaves one over
-      __m512 w[2];
-      DecodeBlock512<QT>(row, w);
-      acc[0][0] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(x + b * kBlock), acc[0][0]);
-      acc[0][1] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(x + b * kBlock + 16), acc[0][1]);
+    for (int64_t b0 = 0; b0 < nb; b0 += 64) {
+      const int64_t b1 = std::min(nb, b0 + 64);
+      BlockScales512<QT>(row, b1 - b0, scales);
+      const float* s = scales;
+      int64_t b = b0;
+      // two blocks a step, four chains (an index computed from b would spill acc)
+      for (; b + 2 <= b1; b += 2, row += 2 * BlockBytes<QT>(), s += 2 * kS) {
+        __m512 w[4];
+        DecodeBlockScaled512<QT>(row, s, w);
+        DecodeBlockScaled512<QT>(row + BlockBytes<QT>(), s + kS, w + 2);
+        for (int k = 0; k < 4; ++k)
+          acc[0][k % A] = _mm512_fmadd_ps(w[k], _mm512_loadu_ps(x + b * kBlock + 16 * k),
+                                          acc[0][k % A]);
+      }
+      if (b < b1) {  // an odd block count leaves one over
+        __m512 w[2];
+        DecodeBlockScaled512<QT>(row, s, w);
+        acc[0][0] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(x + b * kBlock), acc[0][0]);
+        acc[0][1] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(x + b * kBlock + 16), acc[0][1]);
+        row += BlockBytes<QT>();
+      }
     }
   }
   for (int n = 0; n < NN; ++n) {
@@ -453,25 +506,43 @@ TFNB_AVX512 void DotRowAvx512(const uint8_t* row, int64_t cols, const float* x, 
 // vector loaded feeds MR FMAs. Probed on the KVM Xeon (one core): a 512-bit load from L1
 // issued about once per cycle, so at one weight row the loads, not the FMAs, set the pace;
 // two rows took SmolLM2's matmuls at 8 activation rows from 25-27 to 21-23 ms (four rows
-// at 4 activation rows ran no faster than two).
+// at 4 activation rows ran no faster than two). The blocks' scales are converted 64 blocks
+// at a time before their codes (BlockScales512): on the KVM Xeon a block's conversion and
+// broadcasts inside the loop took the shuffle port that the codes' lookups and half the
+// FMAs need.
 template <int QT, int NN, int MR>
 TFNB_AVX512 void DotRowsAvx512(const uint8_t* row, int64_t row_bytes, int64_t cols,
                                const float* x, float* out) {
+  constexpr int kS = QT == kQ4_1 ? 2 : 1;  // scale floats per block
+  constexpr int64_t kSpan = 64;            // blocks per scale conversion
+  constexpr bool kScaled = NN < kMaxN512;  // at 8 rows the prepass measured no faster
   __m512 acc[MR][NN];
   for (int r = 0; r < MR; ++r)
     for (int n = 0; n < NN; ++n) acc[r][n] = _mm512_setzero_ps();
+  alignas(64) float scales[MR][kSpan * kS];
   const int64_t nb = cols / kBlock;
-  for (int64_t b = 0; b < nb; ++b, row += BlockBytes<QT>()) {
-    __m512 w[MR][2];
-    for (int r = 0; r < MR; ++r) DecodeBlock512<QT>(row + r * row_bytes, w[r]);
-    for (int n = 0; n < NN; ++n) {
-      const float* xb = x + n * cols + b * kBlock;
-      __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
-      // Keeps x0 and x1 in registers: otherwise GCC folds the load into every FMA.
-      if (MR > 1) __asm__("" : "+v"(x0), "+v"(x1));
+  for (int64_t b0 = 0; b0 < nb; b0 += kSpan) {
+    const int64_t b1 = std::min(nb, b0 + kSpan);
+    for (int r = 0; r < MR && kScaled; ++r)
+      BlockScales512<QT>(row + r * row_bytes + b0 * BlockBytes<QT>(), b1 - b0, scales[r]);
+    const uint8_t* blk = row + b0 * BlockBytes<QT>();
+    for (int64_t b = b0; b < b1; ++b, blk += BlockBytes<QT>()) {
+      __m512 w[MR][2];
       for (int r = 0; r < MR; ++r) {
-        acc[r][n] = _mm512_fmadd_ps(w[r][0], x0, acc[r][n]);
-        acc[r][n] = _mm512_fmadd_ps(w[r][1], x1, acc[r][n]);
+        if constexpr (kScaled)
+          DecodeBlockScaled512<QT>(blk + r * row_bytes, scales[r] + (b - b0) * kS, w[r]);
+        else
+          DecodeBlock512<QT>(blk + r * row_bytes, w[r]);
+      }
+      for (int n = 0; n < NN; ++n) {
+        const float* xb = x + n * cols + b * kBlock;
+        __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+        // Keeps x0 and x1 in registers: otherwise GCC folds the load into every FMA.
+        if (MR > 1) __asm__("" : "+v"(x0), "+v"(x1));
+        for (int r = 0; r < MR; ++r) {
+          acc[r][n] = _mm512_fmadd_ps(w[r][0], x0, acc[r][n]);
+          acc[r][n] = _mm512_fmadd_ps(w[r][1], x1, acc[r][n]);
+        }
       }
     }
   }
