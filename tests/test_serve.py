@@ -75,6 +75,32 @@ def test_streaming_gives_the_whole_answer_in_pieces(placements):
         assert done.usage.completion_tokens == 8
 
 
+def test_the_apis_optional_forms_text_parts_nulls_and_streamed_usage(placements):
+    placed = placements["replicated"]
+    hello = [{"role": "user", "content": "hello"}]
+    with serve(placed) as server:
+        client = _client(server)
+        whole = client.chat.completions.create(model=server.model, temperature=0, max_tokens=12,
+                                               messages=hello)
+        parts = client.chat.completions.create(model=server.model, temperature=0, max_tokens=12,
+                                               messages=[{"role": "user", "content": [
+                                                   {"type": "text", "text": "hel"},
+                                                   {"type": "text", "text": "lo"}]}])
+        assert parts.choices[0].message.content == whole.choices[0].message.content
+        chunks = list(client.chat.completions.create(
+            model=server.model, temperature=0, max_tokens=12, messages=hello, stream=True,
+            stream_options={"include_usage": True}))
+        assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+        assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == \
+            whole.choices[0].message.content
+        # JSON null is the API's default: 64 new tokens at most, one choice, top_p 1
+        r = httpx.post(server.url + "/completions", timeout=60, json={
+            "model": server.model, "prompt": "the cat", "temperature": 0, "max_tokens": None,
+            "n": None, "top_p": None, "stop": None})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == placed.generate("the cat", max_new_tokens=64)
+
+
 def test_a_client_that_disconnects_mid_stream_frees_its_replica(placements):
     placed = placements["replicated"]
     with serve(placed) as server:
@@ -104,6 +130,15 @@ def test_a_client_that_disconnects_mid_stream_frees_its_replica(placements):
     ({"model": "MODEL", "messages": "hi"}, 400, "messages='hi'"),
     ({"model": "MODEL", "messages": [{"role": "user", "content": "hi"}], "temperature": 9}, 400,
      "temperature=9"),
+    ({"model": "MODEL", "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n=2"),
+    ({"model": "MODEL", "messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400,
+     "logprobs=True"),
+    ({"model": "MODEL", "messages": [{"role": "user", "content": "hi"}],
+      "response_format": {"type": "json_object"}}, 400, "response_format="),
+    ({"model": "MODEL", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages="),
+    ({"model": "MODEL", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+      "stream_options": "usage"}, 400, "stream_options='usage'"),
 ])
 def test_bad_requests_get_the_apis_json_error(placements, body, status, word):
     with serve(placements["split"]) as server:

@@ -3,8 +3,10 @@
 ``tfnb.serve(placed)`` starts a Starlette app under uvicorn in a background thread:
 ``/v1/chat/completions`` and ``/v1/completions`` (streamed as server-sent events when asked),
 ``/v1/models`` and ``/health``. Any OpenAI client can talk to it, many at once: each request runs
-on a worker thread, on the least loaded replica of a replicated placement (one request per
-replica at a time; others queue). A client that disconnects mid-stream ends its generation.
+on a worker thread and joins the running batch of the least loaded replica (a split placement
+is one replica). A client that disconnects mid-stream ends its generation and frees its rows.
+One choice per request (``n`` = 1), text in and out: ``logprobs``, tools, penalties, logit
+biases and JSON response formats get a 400 that says so.
 
 It binds loopback unless told otherwise; any other address needs an ``api_key`` (checked as a
 bearer token on every request) and warns. Bad requests get the API's JSON error and a 4xx.
@@ -84,13 +86,40 @@ def _as_replicated(placed):
 
 # ----- request checking ---------------------------------------------------------------------
 
+DEFAULT_MAX_TOKENS = 64
+
+
+def _get(body: dict, key: str, default):
+    """``body[key]``, with a missing key or JSON ``null`` meaning the API's default."""
+    value = body.get(key)
+    return default if value is None else value
+
+
+def _unsupported(body: dict) -> None:
+    """A 400 for fields that would change the answer's form, which this endpoint does not make."""
+    n = _get(body, "n", 1)
+    if n != 1 or isinstance(n, bool):
+        raise _ApiError(400, f"n={n!r}: this endpoint returns one choice per request; expected 1 "
+                             "(send several requests: they run in one batch)", param="n")
+    for key in ("logprobs", "top_logprobs", "tools", "functions", "echo", "suffix",
+                "logit_bias", "presence_penalty", "frequency_penalty"):
+        if body.get(key) not in (None, False, 0, [], {}, ""):
+            raise _ApiError(400, f"{key}={body[key]!r:.60}: not supported by this endpoint; "
+                                 "expected it left out", param=key)
+    form = _get(body, "response_format", {"type": "text"})
+    if not isinstance(form, dict) or form.get("type") != "text":
+        raise _ApiError(400, f"response_format={form!r:.60}: this endpoint writes plain text; "
+                             "expected {'type': 'text'} or none", param="response_format")
+
+
 def _options(body: dict, max_context: int) -> dict:
     """generate() options from an OpenAI request body; _ApiError names a bad field."""
-    n = body.get("max_completion_tokens", body.get("max_tokens", 64))
+    _unsupported(body)
+    n = _get(body, "max_completion_tokens", _get(body, "max_tokens", DEFAULT_MAX_TOKENS))
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n < max_context:
         raise _ApiError(400, f"max_tokens={n!r}: expected an integer from 1 to {max_context - 1}",
                         param="max_tokens")
-    temperature = body.get("temperature", 1.0)
+    temperature = _get(body, "temperature", 1.0)
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
             or not 0 <= temperature <= 2:
         raise _ApiError(400, f"temperature={temperature!r}: expected a number from 0 to 2",
@@ -98,18 +127,31 @@ def _options(body: dict, max_context: int) -> dict:
     options = {"max_new_tokens": n, "stop": body.get("stop") or None}
     if temperature > 0:  # 0 means greedy, as the API documents
         options.update(do_sample=True, temperature=float(temperature),
-                       top_p=body.get("top_p", 1.0), seed=body.get("seed"))
+                       top_p=_get(body, "top_p", 1.0), seed=body.get("seed"))
     return options
+
+
+def _text(content) -> str | None:
+    """A message's content as text: a str, or a list of ``{"type": "text", "text": str}`` parts
+    (joined); None for anything else."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in content):
+        return "".join(p["text"] for p in content)
+    return None
 
 
 def _messages(body: dict) -> list:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str)
-            and isinstance(m.get("content"), str) for m in messages):
+            and _text(m.get("content")) is not None for m in messages):
         raise _ApiError(400, f"messages={messages!r:.80}: expected a non-empty list of "
-                        "{'role': str, 'content': str}", param="messages")
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
+                        "{'role': str, 'content': str or a list of text parts}",
+                        param="messages")
+    return [{"role": m["role"], "content": _text(m["content"])} for m in messages]
 
 
 # ----- the app ------------------------------------------------------------------------------
@@ -206,11 +248,16 @@ class _Endpoint:
                     raise _ApiError(400, f"prompt={prompt!r:.80}: expected a non-empty str",
                                     param="prompt")
             if body.get("stream"):
+                usage = _get(body, "stream_options", {})
+                if not isinstance(usage, dict):
+                    raise _ApiError(400, f"stream_options={usage!r:.60}: expected an object "
+                                         "such as {'include_usage': true}", param="stream_options")
                 events: list = []
                 chunks = await run_in_threadpool(
                     lambda: self.model.generate(prompt, stream=True, chunk_tokens=4,
                                                 on_chunk=events.append, **options))
-                return self._sse(chunks, events, chat)
+                return self._sse(chunks, events, chat,
+                                 prompt if usage.get("include_usage") else None)
             return await run_in_threadpool(self._whole, prompt, options, chat)
         except _ApiError as e:
             return self._error(e)
@@ -224,18 +271,23 @@ class _Endpoint:
 
         events: list = []
         text = self.model.generate(prompt, on_chunk=events.append, **options)
-        reason, n_new = _finish(events, options)
-        n_prompt = len(self.tokenizer.encode(prompt))
+        reason = _finish(events)[0]
         choice = ({"index": 0, "message": {"role": "assistant", "content": text},
                    "finish_reason": reason} if chat else
                   {"index": 0, "text": text, "finish_reason": reason, "logprobs": None})
         return JSONResponse({
             "id": _id(chat), "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": self.name, "choices": [choice],
-            "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_new,
-                      "total_tokens": n_prompt + n_new}})
+            "usage": self._usage(prompt, events)})
 
-    def _sse(self, chunks, events, chat: bool):
+    def _usage(self, prompt: str, events: list) -> dict:
+        n_prompt, n_new = len(self.tokenizer.encode(prompt)), _finish(events)[1]
+        return {"prompt_tokens": n_prompt, "completion_tokens": n_new,
+                "total_tokens": n_prompt + n_new}
+
+    def _sse(self, chunks, events, chat: bool, usage_of: str | None = None):
+        """Server-sent events of a streamed generation; with ``usage_of`` (the prompt), a last
+        chunk with no choices carries the usage, as ``stream_options.include_usage`` asks."""
         from starlette.concurrency import run_in_threadpool
         from starlette.responses import StreamingResponse
 
@@ -266,7 +318,11 @@ class _Endpoint:
                         break
                     if piece:
                         yield frame(piece, None)
-                yield frame(None, _finish(events, {})[0])
+                yield frame(None, _finish(events)[0])
+                if usage_of is not None:
+                    yield "data: " + json.dumps({
+                        "id": rid, "object": kind, "created": created, "model": self.name,
+                        "choices": [], "usage": self._usage(usage_of, events)}) + "\n\n"
                 yield "data: [DONE]\n\n"
             except (WorkerLostError, GenerateError) as e:
                 yield f"data: {json.dumps(_ApiError(503, str(e), 'server_error').body())}\n\n"
@@ -293,7 +349,7 @@ def _id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
 
 
-def _finish(events: list, options: dict) -> tuple[str, int]:
+def _finish(events: list) -> tuple[str, int]:
     """``(finish_reason, new tokens)`` from the generate call's chunk events."""
     if not events:
         return "length", 0
