@@ -86,7 +86,9 @@ def test_the_apis_optional_forms_text_parts_nulls_and_streamed_usage(placements)
                                                messages=[{"role": "user", "content": [
                                                    {"type": "text", "text": "hel"},
                                                    {"type": "text", "text": "lo"}]}])
-        assert parts.choices[0].message.content == whole.choices[0].message.content
+        lines = client.chat.completions.create(model=server.model, temperature=0, max_tokens=12,
+                                               messages=[{"role": "user", "content": "hel\nlo"}])
+        assert parts.choices[0].message.content == lines.choices[0].message.content
         chunks = list(client.chat.completions.create(
             model=server.model, temperature=0, max_tokens=12, messages=hello, stream=True,
             stream_options={"include_usage": True}))
@@ -99,6 +101,11 @@ def test_the_apis_optional_forms_text_parts_nulls_and_streamed_usage(placements)
             "n": None, "top_p": None, "stop": None})
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == placed.generate("the cat", max_new_tokens=64)
+        # a prompt list of one, as LangChain's legacy OpenAI sends it; max_tokens behind a null
+        listed = client.completions.create(model=server.model, prompt=["the cat"], temperature=0,
+                                           max_tokens=5, extra_body={"max_completion_tokens": None})
+        assert listed.choices[0].text == placed.generate("the cat", max_new_tokens=5)
+        assert listed.usage.completion_tokens == 5
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_replica(placements):
@@ -131,6 +138,8 @@ def test_a_client_that_disconnects_mid_stream_frees_its_replica(placements):
     ({"model": "MODEL", "messages": [{"role": "user", "content": "hi"}], "temperature": 9}, 400,
      "temperature=9"),
     ({"model": "MODEL", "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n=2"),
+    ({"model": "MODEL", "messages": [{"role": "user", "content": "hi"}], "best_of": 3}, 400,
+     "best_of=3"),
     ({"model": "MODEL", "messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400,
      "logprobs=True"),
     ({"model": "MODEL", "messages": [{"role": "user", "content": "hi"}],
@@ -164,3 +173,19 @@ def test_a_key_is_checked_on_every_request_and_needed_beyond_loopback(placements
         models = _client(server, key="s3cret").models.list()
         assert [m.id for m in models.data] == [server.model]
         assert httpx.get(server.url.removesuffix("/v1") + "/health", timeout=5).json()["status"] == "ok"
+
+
+def test_a_chat_template_that_refuses_the_messages_is_a_bad_request():
+    """HF chat templates raise (jinja's ``raise_exception``) on conversations they do not take,
+    e.g. roles that do not alternate: a 400 naming the messages, not a 500."""
+    from jinja2.exceptions import TemplateError
+
+    from tfnb.serving import _ApiError, _chat_prompt
+
+    class Strict:
+        def apply_chat_template(self, messages):
+            raise TemplateError("Conversation roles must alternate user/assistant")
+
+    with pytest.raises(_ApiError, match="roles must alternate") as e:
+        _chat_prompt(Strict(), [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+    assert e.value.status == 400 and e.value.param == "messages"

@@ -101,10 +101,17 @@ def _unsupported(body: dict) -> None:
     if n != 1 or isinstance(n, bool):
         raise _ApiError(400, f"n={n!r}: this endpoint returns one choice per request; expected 1 "
                              "(send several requests: they run in one batch)", param="n")
-    for key in ("logprobs", "top_logprobs", "tools", "functions", "echo", "suffix",
-                "logit_bias", "presence_penalty", "frequency_penalty"):
-        if body.get(key) not in (None, False, 0, [], {}, ""):
-            raise _ApiError(400, f"{key}={body[key]!r:.60}: not supported by this endpoint; "
+    # what each field's "left out" looks like: the legacy completions API's logprobs=0 still
+    # asks for the sampled token's logprob, so only None/False leave that one out
+    for key, off in (("logprobs", (None, False)), ("top_logprobs", (None, 0)),
+                     ("tools", (None, [])), ("functions", (None, [])), ("echo", (None, False)),
+                     ("suffix", (None, "")), ("logit_bias", (None, {})),
+                     ("presence_penalty", (None, 0)), ("frequency_penalty", (None, 0)),
+                     ("best_of", (None, 1))):
+        value = body.get(key)
+        if not any(value is o if o is None or isinstance(o, bool)
+                   else value == o and not isinstance(value, bool) for o in off):
+            raise _ApiError(400, f"{key}={value!r:.60}: not supported by this endpoint; "
                                  "expected it left out", param=key)
     form = _get(body, "response_format", {"type": "text"})
     if not isinstance(form, dict) or form.get("type") != "text":
@@ -115,10 +122,12 @@ def _unsupported(body: dict) -> None:
 def _options(body: dict, max_context: int) -> dict:
     """generate() options from an OpenAI request body; _ApiError names a bad field."""
     _unsupported(body)
-    n = _get(body, "max_completion_tokens", _get(body, "max_tokens", DEFAULT_MAX_TOKENS))
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    n = _get(body, key, DEFAULT_MAX_TOKENS)
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n < max_context:
-        raise _ApiError(400, f"max_tokens={n!r}: expected an integer from 1 to {max_context - 1}",
-                        param="max_tokens")
+        raise _ApiError(400, f"{key}={n!r}: expected an integer from 1 to {max_context - 1}",
+                        param=key)
     temperature = _get(body, "temperature", 1.0)
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
             or not 0 <= temperature <= 2:
@@ -133,14 +142,35 @@ def _options(body: dict, max_context: int) -> dict:
 
 def _text(content) -> str | None:
     """A message's content as text: a str, or a list of ``{"type": "text", "text": str}`` parts
-    (joined); None for anything else."""
+    (one per line, as vLLM joins them); None for anything else."""
     if isinstance(content, str):
         return content
     if isinstance(content, list) and all(
             isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
             for p in content):
-        return "".join(p["text"] for p in content)
+        return "\n".join(p["text"] for p in content)
     return None
+
+
+def _chat_prompt(tokenizer, messages: list) -> str:
+    """The model's prompt for ``messages``; a template that refuses them is a bad request."""
+    try:
+        return tokenizer.apply_chat_template(messages)
+    except Exception as e:  # noqa: BLE001 - a jinja template may raise anything it likes
+        raise _ApiError(400, f"messages: the model's chat template refused them ({e})",
+                        param="messages") from None
+
+
+def _prompt(body: dict) -> str:
+    """A completions request's prompt: a str, or a list holding one."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise _ApiError(400, f"prompt={body.get('prompt')!r:.80}: expected a non-empty str (or "
+                             "a list of one: this endpoint returns one choice per request)",
+                        param="prompt")
+    return prompt
 
 
 def _messages(body: dict) -> list:
@@ -240,13 +270,7 @@ class _Endpoint:
         try:
             body = await self._body(request)
             options = _options(body, self.model.config.max_context)
-            if chat:
-                prompt = self.tokenizer.apply_chat_template(_messages(body))
-            else:
-                prompt = body.get("prompt")
-                if not isinstance(prompt, str) or not prompt:
-                    raise _ApiError(400, f"prompt={prompt!r:.80}: expected a non-empty str",
-                                    param="prompt")
+            prompt = _chat_prompt(self.tokenizer, _messages(body)) if chat else _prompt(body)
             if body.get("stream"):
                 usage = _get(body, "stream_options", {})
                 if not isinstance(usage, dict):
@@ -264,7 +288,7 @@ class _Endpoint:
         except GenerateError as e:
             return self._error(_ApiError(400, str(e)))
         except WorkerLostError as e:
-            return self._error(_ApiError(503, str(e), kind="server_error", code="worker_lost"))
+            return self._error(_lost(e))
 
     def _whole(self, prompt, options, chat: bool):
         from starlette.responses import JSONResponse
@@ -305,6 +329,8 @@ class _Endpoint:
                           "logprobs": None}
             data = {"id": rid, "object": kind, "created": created, "model": self.name,
                     "choices": [choice]}
+            if usage_of is not None:  # the API's other chunks then say usage: null
+                data["usage"] = None
             return f"data: {json.dumps(data)}\n\n"
 
         async def stream():
@@ -324,12 +350,18 @@ class _Endpoint:
                         "id": rid, "object": kind, "created": created, "model": self.name,
                         "choices": [], "usage": self._usage(usage_of, events)}) + "\n\n"
                 yield "data: [DONE]\n\n"
-            except (WorkerLostError, GenerateError) as e:
-                yield f"data: {json.dumps(_ApiError(503, str(e), 'server_error').body())}\n\n"
+            except GenerateError as e:  # as the whole response would have said it
+                yield f"data: {json.dumps(_ApiError(400, str(e)).body())}\n\n"
+            except WorkerLostError as e:
+                yield f"data: {json.dumps(_lost(e).body())}\n\n"
             finally:  # also when the client went away: the generation ends, its replica frees
                 await run_in_threadpool(_close, chunks)
 
         return StreamingResponse(stream(), media_type="text/event-stream")
+
+
+def _lost(e: WorkerLostError) -> _ApiError:
+    return _ApiError(503, str(e), kind="server_error", code="worker_lost")
 
 
 def _close(chunks, wait_s: float = 600.0) -> None:
