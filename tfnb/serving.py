@@ -350,8 +350,8 @@ class _Endpoint:
                         "id": rid, "object": kind, "created": created, "model": self.name,
                         "choices": [], "usage": self._usage(usage_of, events)}) + "\n\n"
                 yield "data: [DONE]\n\n"
-            except GenerateError as e:  # as the whole response would have said it
-                yield f"data: {json.dumps(_ApiError(400, str(e)).body())}\n\n"
+            except GenerateError as e:  # the request was checked before: a stalled batch
+                yield f"data: {json.dumps(_ApiError(503, str(e), 'server_error').body())}\n\n"
             except WorkerLostError as e:
                 yield f"data: {json.dumps(_lost(e).body())}\n\n"
             finally:  # also when the client went away: the generation ends, its replica frees
