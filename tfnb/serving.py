@@ -318,20 +318,21 @@ class _Endpoint:
         rid, created = _id(chat), int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
 
+        def event(choices: list, usage: dict | None = None) -> str:
+            data = {"id": rid, "object": kind, "created": created, "model": self.name,
+                    "choices": choices}
+            if usage_of is not None:  # the API's chunks then all carry usage (null but the last)
+                data["usage"] = usage
+            return f"data: {json.dumps(data)}\n\n"
+
         def frame(piece: str | None, reason: str | None, first: bool = False) -> str:
             if chat:
                 delta = {} if piece is None else {"content": piece}
                 if first:
                     delta["role"] = "assistant"
-                choice = {"index": 0, "delta": delta, "finish_reason": reason}
-            else:
-                choice = {"index": 0, "text": piece or "", "finish_reason": reason,
-                          "logprobs": None}
-            data = {"id": rid, "object": kind, "created": created, "model": self.name,
-                    "choices": [choice]}
-            if usage_of is not None:  # the API's other chunks then say usage: null
-                data["usage"] = None
-            return f"data: {json.dumps(data)}\n\n"
+                return event([{"index": 0, "delta": delta, "finish_reason": reason}])
+            return event([{"index": 0, "text": piece or "", "finish_reason": reason,
+                           "logprobs": None}])
 
         async def stream():
             done = object()
@@ -346,9 +347,7 @@ class _Endpoint:
                         yield frame(piece, None)
                 yield frame(None, _finish(events)[0])
                 if usage_of is not None:
-                    yield "data: " + json.dumps({
-                        "id": rid, "object": kind, "created": created, "model": self.name,
-                        "choices": [], "usage": self._usage(usage_of, events)}) + "\n\n"
+                    yield event([], self._usage(usage_of, events))
                 yield "data: [DONE]\n\n"
             except GenerateError as e:  # the request was checked before: a stalled batch
                 yield f"data: {json.dumps(_ApiError(503, str(e), 'server_error').body())}\n\n"
