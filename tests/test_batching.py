@@ -1,11 +1,13 @@
 """Continuous batching on real workers: concurrent callers share one batch (and, on a split
 model, one lane per worker), each gets the tokens it gets alone, and arrivals join a running
 batch without recompiling."""
+import re
 import threading
 
 import pytest
 
 import tfnb
+from tfnb.errors import GenerateError
 from tfnb.models import tiny
 from tests.test_replicas import concurrently
 
@@ -177,3 +179,47 @@ def test_two_requests_on_a_split_model_keep_both_workers_busy_at_once(cluster):
     # request, whose stages take turns
     assert two_both > 0.15 * two_min, (two_both, two_min)
     assert two_both > 3 * one_both, (one_both, two_both)
+
+
+LONG = "one two three four five six seven eight nine ten " * 2  # 100 tokens: bucket 128
+
+
+@pytest.mark.parametrize("layout", ["single", "split"])
+def test_warmup_compiles_every_shape_a_burst_meets_before_it_comes(cluster, model, layout):
+    """After ``warmup`` no request compiles: any batch size, attention window, prompt length,
+    sampling mode and (on a split) chunk length was compiled ahead. A request made while it
+    runs is served meanwhile, with the same tokens."""
+    devices = cluster.devices[:1] if layout == "single" else cluster.devices
+    placed = tfnb.place(model, devices, cluster)
+    prompts = PROMPTS + [LONG, LONG[:60]]
+    expected = {p: placed.generate_ids(p, max_new_tokens=N) for p in prompts}
+    sampled = placed.generate_ids(PROMPTS[0], max_new_tokens=N, do_sample=True, seed=3)
+
+    started = placed.warmup(modes=("greedy", "sample"), wait=False)
+    assert started["queued"] > 0 and started["left"] > 0
+    assert placed.generate_ids(PROMPTS[1], max_new_tokens=N) == expected[PROMPTS[1]]
+    done = placed.warmup(modes=("greedy", "sample"))  # waits for the rest
+    assert done["left"] == 0 and placed.serving_status()["replicas"][0]["lanes"][0]["warming"] == 0
+
+    before = placed.compiles
+    streamed = {p: (lambda p: [t for piece in placed.generate_ids(
+        p, max_new_tokens=N, stream=True, chunk_tokens=4) for t in piece]) for p in prompts[::2]}
+    got = concurrently(lambda p: streamed[p](p) if p in streamed else
+                       placed.generate_ids(p, max_new_tokens=N), prompts)
+    assert got == expected
+    assert concurrently(lambda s: placed.generate_ids(PROMPTS[0], max_new_tokens=N,
+                                                      do_sample=True, seed=s), [3]) == {3: sampled}
+    assert placed.compiles == before
+    assert placed.warmup(modes="greedy")["compiled"] == 0  # nothing left to compile
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    (dict(modes="fast"), "modes='fast'"), (dict(modes=[]), "modes=[]"),
+    (dict(modes=None), "modes=None"), (dict(prompt_tokens=-1), "prompt_tokens=-1"),
+    (dict(prompt_tokens=10 ** 6), "prompt_tokens=1000000"),
+    (dict(prompt_tokens=True), "prompt_tokens=True"), (dict(timeout=0), "timeout=0")])
+def test_warmup_refuses_bad_arguments_by_name(single, kwargs, named):
+    placed, _ = single
+    with pytest.raises(GenerateError, match=re.escape(named)):
+        placed.warmup(**kwargs)
+    assert placed.scheduler.warming() == 0  # nothing queued

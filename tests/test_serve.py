@@ -34,7 +34,8 @@ def _client(server, key="none"):
 
 
 def _ask(client, name, question, **kw):
-    out = client.chat.completions.create(model=name, temperature=0, max_tokens=16,
+    kw = {"temperature": 0, **kw}
+    out = client.chat.completions.create(model=name, max_tokens=16,
                                          messages=[{"role": "user", "content": question}], **kw)
     return out.choices[0].message.content
 
@@ -173,6 +174,48 @@ def test_a_key_is_checked_on_every_request_and_needed_beyond_loopback(placements
         models = _client(server, key="s3cret").models.list()
         assert [m.id for m in models.data] == [server.model]
         assert httpx.get(server.url.removesuffix("/v1") + "/health", timeout=5).json()["status"] == "ok"
+
+
+def _health(server):
+    return httpx.get(server.url.removesuffix("/v1") + "/health", timeout=5).json()
+
+
+def test_the_endpoint_compiles_ahead_so_a_burst_compiles_nothing(placements):
+    """By default the endpoint compiles every batch, window and prompt bucket of greedy and
+    sampled requests in the background (``/health`` counts what is left); a burst after that
+    compiles nothing. ``warmup=False`` queues nothing, and closing drops what is queued."""
+    placed = placements["replicated"]
+    with serve(placed) as server:
+        assert _health(server)["warming"] > 0
+        client = _client(server)
+        assert _ask(client, server.model, "hi") == placed.chat("hi", max_new_tokens=16)
+        deadline = time.monotonic() + 300
+        while _health(server)["warming"] and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _health(server)["warming"] == 0
+        before = [r.compiles for r in placed.replicas]
+        got, threads = {}, []
+        for i, q in enumerate(QUESTIONS):  # half greedy, half sampled
+            kw = {} if i % 2 else {"temperature": 0.8, "seed": i}
+            threads.append(threading.Thread(target=lambda q=q, kw=kw: got.update(
+                {q: _ask(client, server.model, q, **kw)})))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert sorted(got) == sorted(QUESTIONS) and all(isinstance(a, str) for a in got.values())
+        assert [r.compiles for r in placed.replicas] == before
+    with serve(placements["split"], warmup=False) as server:
+        assert _health(server)["warming"] == 0
+    server = serve(placements["split"])
+    server.close()
+    assert placements["split"].scheduler.warming() <= 2  # at most each lane's compiling shape
+    deadline = time.monotonic() + 60  # the shape compiling when it closed finishes
+    while placements["split"].scheduler.warming() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert placements["split"].scheduler.warming() == 0
+    with pytest.raises(ServeError, match="warmup='yes'"):
+        serve(placed, warmup="yes")
 
 
 def test_a_chat_template_that_refuses_the_messages_is_a_bad_request():

@@ -245,7 +245,8 @@ class _Endpoint:
         from starlette.responses import JSONResponse
 
         alive = [r for r in self.model.replicas if r.lost is None]
-        return JSONResponse({"status": "ok" if alive else "lost", "replicas": len(alive)},
+        return JSONResponse({"status": "ok" if alive else "lost", "replicas": len(alive),
+                             "warming": sum(r.scheduler.warming() for r in alive)},
                             status_code=200 if alive else 503)
 
     async def models(self, request):
@@ -402,8 +403,9 @@ class Server:
     http://127.0.0.1:40213/v1
     """
 
-    def __init__(self, uvicorn_server, thread, host: str, port: int, model: str, placed=None):
-        self._server, self._thread = uvicorn_server, thread
+    def __init__(self, uvicorn_server, thread, host: str, port: int, model: str, placed=None,
+                 warmup: bool = False):
+        self._server, self._thread, self.warmup = uvicorn_server, thread, warmup
         self.host, self.port, self.model, self.placed = host, port, model, placed
         self.url = f"http://{host if ':' not in host else f'[{host}]'}:{port}/v1"
 
@@ -412,7 +414,10 @@ class Server:
         return self._thread.is_alive()
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop accepting requests and end the server thread (within ``timeout`` s)."""
+        """Stop accepting requests and end the server thread (within ``timeout`` s); drops the
+        shapes its warm-up had still to compile."""
+        if self.warmup:
+            self.placed.cancel_warmup()
         self._server.should_exit = True
         self._thread.join(timeout)
 
@@ -430,8 +435,11 @@ class Server:
         return f"<tfnb Server {self.url} model={self.model!r} {'running' if self.running else 'closed'}>"
 
 
+WARM_MODES = ("greedy", "sample")  # what the API's temperature 0 and its default ask for
+
+
 def serve(placed, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None, *,
-          model: str | None = None) -> Server:
+          model: str | None = None, warmup: bool = True) -> Server:
     """Serve ``placed`` (a ``PlacedModel`` or ``ReplicatedModel``) over OpenAI's HTTP API.
 
     Parameters
@@ -441,6 +449,10 @@ def serve(placed, host: str = "127.0.0.1", port: int = 0, api_key: str | None = 
     port : 0 picks a free port (see ``server.url``)
     api_key : when given, every request must send ``Authorization: Bearer <api_key>``
     model : the model name clients ask for (default: the placed model's name)
+    warmup : compile every batch, window and prompt-length bucket of greedy and sampled
+        requests in the background (``placed.warmup``), so that requests arriving later never
+        wait for a compilation. Requests are served at once all the same: each waits at most
+        for the one shape compiling. ``/health`` counts the shapes still to compile.
 
     Returns
     -------
@@ -461,6 +473,8 @@ def serve(placed, host: str = "127.0.0.1", port: int = 0, api_key: str | None = 
     name = model or replicated.name or "tfnb"
     if not isinstance(name, str):
         raise ServeError(f"model={model!r}: expected a str")
+    if not isinstance(warmup, bool):
+        raise ServeError(f"warmup={warmup!r}: expected True or False")
     import uvicorn
 
     endpoint = _Endpoint(replicated, name, api_key)
@@ -484,4 +498,7 @@ def serve(placed, host: str = "127.0.0.1", port: int = 0, api_key: str | None = 
     if not server.started:
         server.should_exit = True
         raise ServeError(f"the endpoint did not start within {START_TIMEOUT_S} s")
-    return Server(server, thread, host, sock.getsockname()[1], name, placed=replicated)
+    if warmup:
+        replicated.warmup(WARM_MODES, wait=False)
+    return Server(server, thread, host, sock.getsockname()[1], name, placed=replicated,
+                  warmup=warmup)

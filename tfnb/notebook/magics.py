@@ -322,6 +322,8 @@ class TfnbMagics(Magics):
     @argument("--api-key", default=None, help="bearer token every request must send "
                                               "(needed beyond loopback)")
     @argument("--model", default=None, help="the model name clients ask for")
+    @argument("--no-warmup", action="store_true",
+              help="do not compile the request shapes ahead in the background")
     @argument("--view", action="store_true",
               help="also show a live view of the requests it serves (tfnb.serving_view(server))")
     @argument("-o", "--output", default=None, help="store the server in this variable")
@@ -347,7 +349,8 @@ class TfnbMagics(Magics):
 
         try:
             server = serve(self.shell.user_ns[args.placed], host=args.host, port=args.port,
-                           api_key=args.api_key, model=args.model)
+                           api_key=args.api_key, model=args.model,
+                           warmup=not args.no_warmup)
         except TfnbError as e:
             raise UsageError(f"%tfserve: {e}") from None
         if args.output:

@@ -26,7 +26,7 @@ import threading
 import warnings
 
 from tfnb.errors import WorkerLostError
-from tfnb.runtime.placed import PlacedModel, serving_summary
+from tfnb.runtime.placed import PlacedModel, serving_summary, warm_up
 from tfnb.runtime.requests import with_options_signature
 
 __all__ = ["ReplicatedModel", "ReplicaLostWarning"]
@@ -193,6 +193,18 @@ class ReplicatedModel:
         return serving_summary(self.name, parts)
 
     # ----- the PlacedModel API ------------------------------------------------------------------
+
+    def warmup(self, modes=("greedy",), prompt_tokens: int | None = None, *, wait: bool = True,
+               timeout: float | None = None) -> dict:
+        """``PlacedModel.warmup`` on every replica at once (their workers compile side by side)."""
+        with self._lock:
+            replicas = list(self.replicas)
+        return warm_up(replicas, modes, prompt_tokens, wait, timeout)
+
+    def cancel_warmup(self) -> None:
+        """``PlacedModel.cancel_warmup`` on every replica."""
+        for r in list(self.replicas):
+            r.cancel_warmup()
 
     @with_options_signature
     def generate(self, prompts, **options):

@@ -89,7 +89,8 @@ import numpy as np
 from tfnb.errors import GenerateError, WorkerLostError
 from tfnb.runtime.requests import bucket
 
-__all__ = ["Scheduler", "Lane", "Ticket", "Seq", "CHUNK_STEPS", "MIN_SLOTS", "MAX_ROWS"]
+__all__ = ["Scheduler", "Lane", "Ticket", "Seq", "CHUNK_STEPS", "MIN_SLOTS", "MAX_ROWS",
+           "SAMPLING_MODES", "warm_shapes"]
 
 CHUNK_STEPS = 16  # decode steps per call at most: how long a new request may wait to join
 MIN_SLOTS = 256   # cache slots per lane at least, so requests join without moving the caches
@@ -98,7 +99,7 @@ FREE_PAD = 1 << 30  # a free row's padding: past every slot of every step of a c
 #                     row attends nothing and its matmul rows are skipped (tfnb.runtime.llama)
 IDLE_EXIT_S = 30.0  # a lane's driver thread ends after this long without work
 RECENT = 32        # finished requests a scheduler remembers for its status
-_MODES = ("greedy", "sample", "filter")
+SAMPLING_MODES = ("greedy", "sample", "filter")  # the heads' modes, by what a batch needs
 _IDS = itertools.count(1)  # request ids, increasing over the process (next() is atomic)
 
 
@@ -229,6 +230,11 @@ class Lane:
         self.chunks: deque = deque(maxlen=4096)
         self.thread: threading.Thread | None = None
         self.joining: Ticket | None = None
+        # shapes to compile while the lane is idle (Scheduler.warmup), and the one compiling
+        self.warming: deque[tuple] = deque()
+        self.compiling: tuple | None = None
+        self.warmed = 0
+        self.warm_error: BaseException | None = None
 
     # ----- state ---------------------------------------------------------------------------
 
@@ -272,7 +278,7 @@ class Lane:
                 lane = ref()
                 if lane is None:
                     return
-                if not lane.pending and not lane.busy_rows():
+                if not lane.pending and not lane.busy_rows() and not lane.warming:
                     if time.monotonic() - idle_since > IDLE_EXIT_S:
                         lane.thread = None
                         return
@@ -285,6 +291,8 @@ class Lane:
                 lane._admit()
                 if lane.busy_rows():
                     lane._step()
+                elif lane.warming and not lane.pending:
+                    lane._warm_next()
             except ReferenceError:  # the placed model was dropped while its last chunk ran
                 return
             except BaseException as e:  # noqa: BLE001 - every waiting caller gets it
@@ -339,15 +347,7 @@ class Lane:
         False when it must wait for busy rows to end."""
         n = bucket(len(ticket.seqs), 1, fine=False)
         if not self.busy_rows():
-            if self.program is None or n > self.rows or ticket.need > self.slots:
-                cfg = self.pm.config
-                rows = max(self.rows, n, self.pm.max_batch)
-                slots = max(self.slots, min(cfg.max_context, max(
-                    MIN_SLOTS, bucket(ticket.need, 64, maximum=cfg.max_context))))
-                self.program = None  # the old caches go first: both may not fit at once
-                self.program = self.pm.program(rows, slots, owner=self.index)
-                self.rows, self.slots = rows, slots
-                self.seqs, self.owners = [None] * self.rows, [None] * self.rows
+            self._caches(n, ticket.need)
             self.slot = ticket.P
             return True
         if self._free_block(n) is None or ticket.need > self.slots:
@@ -362,6 +362,20 @@ class Lane:
             return False
         self._shift(target - self.slot)
         return True
+
+    def _caches(self, n: int, need: int) -> None:
+        """Caches of at least ``n`` rows and ``need`` slots (called while no row is busy): the
+        lane's own, or new ones when they are too small or not made yet."""
+        if self.program is not None and n <= self.rows and need <= self.slots:
+            return
+        cfg = self.pm.config
+        rows = max(self.rows, n, self.pm.max_batch)
+        slots = max(self.slots, min(cfg.max_context, max(
+            MIN_SLOTS, bucket(need, 64, maximum=cfg.max_context))))
+        self.program = None  # the old caches go first: both may not fit at once
+        self.program = self.pm.program(rows, slots, owner=self.index)
+        self.rows, self.slots = rows, slots
+        self.seqs, self.owners = [None] * self.rows, [None] * self.rows
 
     def _compact(self, first: int, n: int) -> None:
         """Move the busy rows' slots to the front when that makes the attended window smaller
@@ -426,18 +440,14 @@ class Lane:
             n = self._unrolled_steps(n, busy)
         self._compact(min(s.pad for _, s in busy), n)
         window = min(self.slots, bucket(self.slot + n, 64, fine=False))
-        tok = np.full((B,), pm.pad_id, np.int32)
-        pad = np.full((B,), FREE_PAD, np.int32)  # free rows see nothing, and nobody reads them
-        done = np.ones((B,), bool)
-        floats = np.tile(np.float32([0.0, 1.0]), (B, 1))
-        ints = np.zeros((B, 2), np.int32)
+        tok, pad, done, floats, ints = _free_rows(B, pm.pad_id)
         modes = set()
         for r, s in busy:
             t = self.owners[r]
             tok[r], pad[r], done[r] = s.last, s.pad, False
             floats[r], ints[r] = t.floats, t.ints
             modes.add(t.mode)
-        mode = max(modes, key=_MODES.index)
+        mode = max(modes, key=SAMPLING_MODES.index)
         t0 = time.time_ns()
         tokens, count, slot, _, _ = pm.run(
             self.program.decode_fn(mode, window, n),
@@ -465,6 +475,47 @@ class Lane:
             return up
         return 1 << (n.bit_length() - 1)
 
+    # ----- compiling ahead ----------------------------------------------------------------
+
+    def _warm_next(self) -> None:
+        """Compile the first shape of ``warming`` (the driver calls this only while no request
+        is in the lane, so the call's writes land in free rows): one call of the shape that
+        requests would make, on rows nobody reads. A failure clears the rest."""
+        with self.cond:
+            self.compiling = self.warming.popleft()
+        kind, mode, window, steps, B = self.compiling
+        try:
+            self._caches(1 if kind == "prefill" else B, 1)
+            if kind == "prefill" and B + 1 > self.slots:
+                fn = None  # a prompt this long makes bigger caches (and compiles then)
+            elif kind == "shift":
+                fn, args = self.program.shift_fn(), (np.int32(0),)
+            elif kind == "prefill":
+                fn = self.program.prefill_fn(mode)
+                _, pad, done, floats, ints = _free_rows(1, self.pm.pad_id)
+                floats[:, 0] = 1.0
+                args = (np.full((1, B), self.pm.pad_id, np.int32), np.zeros(1, np.int32),
+                        np.int32(0), np.int32(0), ~done, floats, ints)
+            else:
+                window = min(window, self.slots)
+                fn = self.program.decode_fn(mode, window, steps)
+                tok, pad, done, floats, ints = _free_rows(B, self.pm.pad_id)
+                floats[:, 0] = 1.0  # a temperature: these rows sample (their tokens go unread)
+                n = steps or 1  # a row that is not done runs the step (and so compiles it)
+                args = (tok, pad, np.int32(window - n), ~done, np.int32(n), floats, ints)
+            if fn is not None and not self.pm.compiled(fn, args):
+                self.pm.run(fn, args, what="warming up", lock=self.lock)
+                self.warmed += 1
+        except BaseException as e:
+            with self.cond:
+                self.warming.clear()
+                self.warm_error = e
+            raise
+        finally:
+            with self.cond:
+                self.compiling = None
+                self.cond.notify_all()
+
     def _deliver(self, tokens_NxB: np.ndarray, tickets: list[Ticket], first_row: int = 0) -> None:
         """Hand each ticket its sequences' new tokens (up to EOS or their budget); column
         ``b`` of ``tokens_NxB`` is row ``first_row + b``."""
@@ -490,6 +541,47 @@ class Lane:
             if not t.active:
                 self._free(t)
                 self._ended(t)
+
+
+def _free_rows(B: int, pad_id: int):
+    """``(tok, pad, done, floats, ints)`` of ``B`` free rows: they see nothing (so their
+    matmul rows are skipped) and are done; a call's busy rows are written over them."""
+    return (np.full((B,), pad_id, np.int32), np.full((B,), FREE_PAD, np.int32),
+            np.ones((B,), bool), np.tile(np.float32([0.0, 1.0]), (B, 1)),
+            np.zeros((B, 2), np.int32))
+
+
+def warm_shapes(rows: int, slots: int, unrolled: bool, modes, prompt_tokens: int) -> list:
+    """The call shapes a lane of ``rows`` x ``slots`` caches runs, as ``(kind, mode, window,
+    steps, B)`` (for a prefill, ``B`` is the prompt's bucketed length), likeliest first, each
+    tier for every mode in turn: the batch buckets at the first two windows; each prompt
+    bucket up to ``prompt_tokens`` and moving the caches; the larger windows; then a chain's
+    shorter chunks (a request's first and last events). On a chain the first chunk length of a
+    batch and window is the one that compiles the stages (about 5 s for SmolLM2 on one core);
+    the others of that batch and window cost about 1 s each.
+
+    Examples
+    --------
+    >>> len(warm_shapes(8, 256, False, ["greedy"], 48))  # 3 windows x 4 batches, 4 prompts, shift
+    17
+    >>> warm_shapes(8, 256, False, ["greedy", "sample"], 0)[7:9]
+    [('decode', 'greedy', 128, None, 8), ('decode', 'sample', 64, None, 1)]
+    """
+    windows, w = [], 64
+    while not windows or windows[-1] < slots:
+        windows.append(min(w, slots))
+        w *= 2
+    batches = [1 << k for k in range(rows.bit_length()) if 1 << k <= rows]
+    main, tails = ((CHUNK_STEPS, 4), (8, 2, 1)) if unrolled else ((None,), ())
+    prompts = sorted({bucket(n, 16) for n in range(1, prompt_tokens + 1)})
+
+    def decode(ws, steps):
+        return [("decode", mode, w, n, B) for mode in modes for w in ws for B in batches
+                for n in steps if (n or 1) <= w]
+    return (decode(windows[:2], main)
+            + [("prefill", mode, None, None, P) for mode in modes for P in prompts]
+            + [("shift", None, None, None, 0)]  # moving the caches (Lane._compact)
+            + decode(windows[2:], main) + decode(windows, tails))
 
 
 class Scheduler:
@@ -520,13 +612,62 @@ class Scheduler:
             ticket.lane = lane
             lane.pending.append(ticket)
             self.served += 1
-            if lane.thread is None:
-                lane.thread = threading.Thread(target=Lane.drive,
-                                               args=(weakref.ref(lane), self.cond),
-                                               name=f"tfnb-lane-{lane.index}", daemon=True)
-                lane.thread.start()
+            self._drive(lane)
             self.cond.notify_all()
         return ticket
+
+    def _drive(self, lane: Lane) -> None:
+        """Start ``lane``'s driver thread unless it runs (called with the condition held)."""
+        if lane.thread is None:
+            lane.thread = threading.Thread(target=Lane.drive, args=(weakref.ref(lane), self.cond),
+                                           name=f"tfnb-lane-{lane.index}", daemon=True)
+            lane.thread.start()
+
+    def warmup(self, modes, prompt_tokens: int) -> int:
+        """Queue every shape of call (:func:`warm_shapes`) on each lane, for its driver to
+        compile while the lane is idle (a shape compiled already is skipped when its turn
+        comes); requests go first, each waiting at most for the one shape compiling. Returns
+        how many shapes were queued. Caches that a longer
+        request makes bigger later come with functions of their own, compiled on first use."""
+        cfg, queued = self.pm.config, 0
+        with self.cond:
+            for lane in self.lanes:
+                shapes = warm_shapes(lane.rows or self.pm.max_batch,
+                                     lane.slots or min(cfg.max_context, MIN_SLOTS),
+                                     len(self.pm.devices) > 1, modes, prompt_tokens)
+                lane.warm_error = None
+                lane.warming.extend(s for s in shapes
+                                    if s not in lane.warming and s != lane.compiling)
+                queued += len(shapes)
+                self._drive(lane)
+            self.cond.notify_all()
+        return queued
+
+    def warming(self) -> int:
+        """Shapes still to compile, over the lanes (the ones compiling now included)."""
+        return sum(len(lane.warming) + (lane.compiling is not None) for lane in self.lanes)
+
+    def cancel_warmup(self) -> None:
+        """Drop the shapes still queued (one compiling now finishes)."""
+        with self.cond:
+            for lane in self.lanes:
+                lane.warming.clear()
+
+    def wait_warm(self, timeout: float | None = None) -> bool:
+        """Wait until every lane compiled its queued shapes (True), or ``timeout`` s passed
+        (False); raises the error that stopped a lane's compiling."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.cond:
+            while True:
+                for lane in self.lanes:
+                    if lane.warm_error is not None:
+                        raise lane.warm_error
+                if not self.warming():
+                    return True
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self.cond.wait(0.5 if left is None else min(0.5, left))
 
     def busy_rows(self) -> list[int]:
         """Rows in use per lane."""
@@ -577,6 +718,7 @@ class Scheduler:
                           "waiting_rows": sum(len(t.seqs) for t in pending),
                           "slot": lane.slot, "steps": lane.steps, "calls": lane.calls,
                           "shifts": lane.shifts, "peak_rows": lane.peak_rows,
-                          "running": thread is not None and thread.is_alive()})
+                          "running": thread is not None and thread.is_alive(),
+                          "warming": len(lane.warming) + (lane.compiling is not None)})
         requests.sort(key=lambda r: r["id"])
         return {"lanes": lanes, "requests": requests, "recent": recent, "served": self.served}
