@@ -245,8 +245,12 @@ class _Endpoint:
         from starlette.responses import JSONResponse
 
         alive = [r for r in self.model.replicas if r.lost is None]
+        errors = [lane.warm_error for r in alive for lane in r.scheduler.lanes
+                  if lane.warm_error is not None]
         return JSONResponse({"status": "ok" if alive else "lost", "replicas": len(alive),
-                             "warming": sum(r.scheduler.warming() for r in alive)},
+                             "warming": sum(r.scheduler.warming() for r in alive),
+                             "warm_error": f"{type(errors[0]).__name__}: {errors[0]}"
+                             if errors else None},
                             status_code=200 if alive else 503)
 
     async def models(self, request):
@@ -415,7 +419,7 @@ class Server:
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop accepting requests and end the server thread (within ``timeout`` s); drops the
-        shapes its warm-up had still to compile."""
+        shapes its model still had queued to compile."""
         if self.warmup:
             self.placed.cancel_warmup()
         self._server.should_exit = True
@@ -451,8 +455,10 @@ def serve(placed, host: str = "127.0.0.1", port: int = 0, api_key: str | None = 
     model : the model name clients ask for (default: the placed model's name)
     warmup : compile every batch, window and prompt-length bucket of greedy and sampled
         requests in the background (``placed.warmup``), so that requests arriving later never
-        wait for a compilation. Requests are served at once all the same: each waits at most
-        for the one shape compiling. ``/health`` counts the shapes still to compile.
+        wait for a compilation (prompts up to 128 tokens; top-k/top-p requests still compile
+        on first use). Requests are served at once all the same: each waits at most for the
+        one shape compiling in its lane. ``/health`` counts the shapes still to compile
+        (``warming``) and names an error that stopped it (``warm_error``).
 
     Returns
     -------
@@ -477,6 +483,8 @@ def serve(placed, host: str = "127.0.0.1", port: int = 0, api_key: str | None = 
         raise ServeError(f"warmup={warmup!r}: expected True or False")
     import uvicorn
 
+    if warmup:  # queued before the server starts: a model that cannot run fails here
+        replicated.warmup(WARM_MODES, wait=False)
     endpoint = _Endpoint(replicated, name, api_key)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -484,6 +492,8 @@ def serve(placed, host: str = "127.0.0.1", port: int = 0, api_key: str | None = 
         sock.bind((host, port))
     except OSError as e:
         sock.close()
+        if warmup:
+            replicated.cancel_warmup()
         raise ServeError(f"cannot listen on {host}:{port} ({e.strerror}): expected a free port "
                          "on an address of this machine") from None
     config = uvicorn.Config(endpoint.app(), log_level="warning", lifespan="off",
@@ -497,8 +507,8 @@ def serve(placed, host: str = "127.0.0.1", port: int = 0, api_key: str | None = 
         time.sleep(0.02)
     if not server.started:
         server.should_exit = True
+        if warmup:
+            replicated.cancel_warmup()
         raise ServeError(f"the endpoint did not start within {START_TIMEOUT_S} s")
-    if warmup:
-        replicated.warmup(WARM_MODES, wait=False)
     return Server(server, thread, host, sock.getsockname()[1], name, placed=replicated,
                   warmup=warmup)

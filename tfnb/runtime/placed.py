@@ -140,6 +140,7 @@ class PlacedModel:
         self._programs: OrderedDict = OrderedDict()
         self._warm: dict[int, object] = {}  # functions called (so compiled) before
         self.compiles = 0  # calls that compiled a function for a new shape
+        self._count_lock = threading.Lock()
         self.compile_timeout: float | None = 900.0
         self.xla_loop = bool(xla_loop)  # see place_llama()
         self._call_lock = threading.RLock()
@@ -271,7 +272,9 @@ class PlacedModel:
             # probes still fail it within seconds when a worker stops answering.
             warm_key = _warm_key(fn, args)
             first = warm_key not in self._warm
-            self.compiles += first
+            if first:
+                with self._count_lock:  # lanes call at once
+                    self.compiles += 1
             timeout = self.timeout
             if first and timeout is not None and self.compile_timeout is not None:
                 timeout = max(timeout, self.compile_timeout)
@@ -399,9 +402,12 @@ class PlacedModel:
         mode of ``modes`` (``"greedy"``, ``"sample"``: temperature only, ``"filter"``: top-k or
         top-p). A new shape otherwise compiles when a request first needs it, and every request
         of its lane waits (about 5 s for SmolLM2 on one core: half tracing in this process,
-        half XLA on the worker).
+        half XLA on the worker). Not compiled ahead: prefills of several prompts in one
+        request (the endpoint sends one), and modes not asked for.
 
-        Each lane compiles while it has no request, one shape at a time; requests go first.
+        Each lane compiles while it has no request, one shape at a time; requests go first
+        (though the compiling shares the cores: on a split, one lane's shapes compile on both
+        workers). A lane whose caches a longer request makes bigger queues its shapes again.
         With ``wait`` this returns when all are compiled (or after ``timeout`` s); else at once.
         ``serving_status()`` counts the shapes still to compile per lane (``warming``).
 
@@ -414,7 +420,7 @@ class PlacedModel:
         Examples
         --------
         >>> pm.warmup(modes=("greedy", "sample"))                       # doctest: +SKIP
-        {'queued': 38, 'compiled': 36, 'left': 0, 'seconds': 181.2}
+        {'queued': 39, 'compiled': 37, 'left': 0, 'seconds': 181.2}
         """
         return warm_up([self], modes, prompt_tokens, wait, timeout)
 
@@ -502,19 +508,28 @@ def warm_up(models: list[PlacedModel], modes, prompt_tokens, wait: bool,
             0 <= prompt_tokens <= models[0].config.max_context - 1):
         raise GenerateError(f"prompt_tokens={prompt_tokens!r}: expected an int from 0 to "
                             f"{models[0].config.max_context - 1} (the model's context)")
-    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(
+            timeout, (int, float)) or not timeout > 0):
         raise GenerateError(f"timeout={timeout!r}: expected seconds > 0, or None")
-    for pm in models:
-        if pm.lost:
-            raise WorkerLostError(pm.lost)
+    if not isinstance(wait, bool):
+        raise GenerateError(f"wait={wait!r}: expected True or False")
+    alive = [pm for pm in models if not pm.lost]
+    if not alive:  # a replica that lost its worker is skipped (its model drops it)
+        raise WorkerLostError(models[0].lost)
+    models = alive
     lanes = [lane for pm in models for lane in pm.scheduler.lanes]
     t0, before = time.perf_counter(), sum(lane.warmed for lane in lanes)
     queued = sum(pm.scheduler.warmup(modes, prompt_tokens) for pm in models)
     if wait:
         deadline = None if timeout is None else time.monotonic() + timeout
-        for pm in models:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            pm.scheduler.wait_warm(left)
+        try:
+            for pm in models:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                pm.scheduler.wait_warm(left)
+        except KeyboardInterrupt:  # Ctrl-C stops the warm-up, not only the wait
+            for pm in models:
+                pm.cancel_warmup()
+            raise
     return {"queued": queued, "compiled": sum(lane.warmed for lane in lanes) - before,
             "left": sum(pm.scheduler.warming() for pm in models),
             "seconds": round(time.perf_counter() - t0, 1)}

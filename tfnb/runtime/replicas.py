@@ -196,7 +196,8 @@ class ReplicatedModel:
 
     def warmup(self, modes=("greedy",), prompt_tokens: int | None = None, *, wait: bool = True,
                timeout: float | None = None) -> dict:
-        """``PlacedModel.warmup`` on every replica at once (their workers compile side by side)."""
+        """``PlacedModel.warmup`` on every replica still serving, at once (their workers
+        compile side by side)."""
         with self._lock:
             replicas = list(self.replicas)
         return warm_up(replicas, modes, prompt_tokens, wait, timeout)

@@ -235,6 +235,7 @@ class Lane:
         self.compiling: tuple | None = None
         self.warmed = 0
         self.warm_error: BaseException | None = None
+        self.warm_request: tuple | None = None  # (modes, prompt_tokens) of the last warmup
 
     # ----- state ---------------------------------------------------------------------------
 
@@ -292,6 +293,7 @@ class Lane:
                 if lane.busy_rows():
                     lane._step()
                 elif lane.warming and not lane.pending:
+                    lane._retire()  # rows ended by their callers (stop strings) leave first
                     lane._warm_next()
             except ReferenceError:  # the placed model was dropped while its last chunk ran
                 return
@@ -372,10 +374,25 @@ class Lane:
         rows = max(self.rows, n, self.pm.max_batch)
         slots = max(self.slots, min(cfg.max_context, max(
             MIN_SLOTS, bucket(need, 64, maximum=cfg.max_context))))
-        self.program = None  # the old caches go first: both may not fit at once
+        replaced, self.program = self.program is not None, None  # the old caches go first
         self.program = self.pm.program(rows, slots, owner=self.index)
         self.rows, self.slots = rows, slots
         self.seqs, self.owners = [None] * self.rows, [None] * self.rows
+        if replaced and self.warm_request is not None:
+            self.queue_warm(*self.warm_request)  # new caches come with functions of their own
+
+    def queue_warm(self, modes, prompt_tokens: int) -> int:
+        """Queue the shapes (:func:`warm_shapes`) of this lane's caches, or of the caches its
+        first request makes; returns how many."""
+        cfg = self.pm.config
+        shapes = warm_shapes(self.rows or self.pm.max_batch,
+                             self.slots or min(cfg.max_context, MIN_SLOTS),
+                             len(self.pm.devices) > 1, modes, prompt_tokens)
+        with self.cond:
+            self.warm_request, self.warm_error = (modes, prompt_tokens), None
+            self.warming.extend(s for s in shapes if s not in self.warming and s != self.compiling)
+            self.cond.notify_all()
+        return len(shapes)
 
     def _compact(self, first: int, n: int) -> None:
         """Move the busy rows' slots to the front when that makes the attended window smaller
@@ -482,6 +499,8 @@ class Lane:
         is in the lane, so the call's writes land in free rows): one call of the shape that
         requests would make, on rows nobody reads. A failure clears the rest."""
         with self.cond:
+            if not self.warming:  # cancelled meanwhile
+                return
             self.compiling = self.warming.popleft()
         kind, mode, window, steps, B = self.compiling
         try:
@@ -627,20 +646,14 @@ class Scheduler:
         """Queue every shape of call (:func:`warm_shapes`) on each lane, for its driver to
         compile while the lane is idle (a shape compiled already is skipped when its turn
         comes); requests go first, each waiting at most for the one shape compiling. Returns
-        how many shapes were queued. Caches that a longer
-        request makes bigger later come with functions of their own, compiled on first use."""
-        cfg, queued = self.pm.config, 0
-        with self.cond:
-            for lane in self.lanes:
-                shapes = warm_shapes(lane.rows or self.pm.max_batch,
-                                     lane.slots or min(cfg.max_context, MIN_SLOTS),
-                                     len(self.pm.devices) > 1, modes, prompt_tokens)
-                lane.warm_error = None
-                lane.warming.extend(s for s in shapes
-                                    if s not in lane.warming and s != lane.compiling)
-                queued += len(shapes)
+        how many shapes were queued. When a longer request makes a lane's caches bigger, the
+        lane queues the shapes of its new caches again (they come with functions of their
+        own); prompt buckets longer than the caches wait for that."""
+        queued = 0
+        for lane in self.lanes:
+            queued += lane.queue_warm(modes, prompt_tokens)
+            with self.cond:
                 self._drive(lane)
-            self.cond.notify_all()
         return queued
 
     def warming(self) -> int:
@@ -648,10 +661,12 @@ class Scheduler:
         return sum(len(lane.warming) + (lane.compiling is not None) for lane in self.lanes)
 
     def cancel_warmup(self) -> None:
-        """Drop the shapes still queued (one compiling now finishes)."""
+        """Drop the shapes still queued (one compiling now finishes), and forget the warm-up
+        (bigger caches later do not queue it again)."""
         with self.cond:
             for lane in self.lanes:
                 lane.warming.clear()
+                lane.warm_request = None
 
     def wait_warm(self, timeout: float | None = None) -> bool:
         """Wait until every lane compiled its queued shapes (True), or ``timeout`` s passed
@@ -719,6 +734,8 @@ class Scheduler:
                           "slot": lane.slot, "steps": lane.steps, "calls": lane.calls,
                           "shifts": lane.shifts, "peak_rows": lane.peak_rows,
                           "running": thread is not None and thread.is_alive(),
-                          "warming": len(lane.warming) + (lane.compiling is not None)})
+                          "warming": len(lane.warming) + (lane.compiling is not None),
+                          "warm_error": None if lane.warm_error is None
+                          else f"{type(lane.warm_error).__name__}: {lane.warm_error}"})
         requests.sort(key=lambda r: r["id"])
         return {"lanes": lanes, "requests": requests, "recent": recent, "served": self.served}
