@@ -245,12 +245,11 @@ class _Endpoint:
         from starlette.responses import JSONResponse
 
         alive = [r for r in self.model.replicas if r.lost is None]
-        errors = [lane.warm_error for r in alive for lane in r.scheduler.lanes
-                  if lane.warm_error is not None]
+        lanes = [lane for r in alive for lane in r.scheduler.lanes]
+        failures = [lane.warm_failure for lane in lanes if lane.warm_failure]
         return JSONResponse({"status": "ok" if alive else "lost", "replicas": len(alive),
-                             "warming": sum(r.scheduler.warming() for r in alive),
-                             "warm_error": f"{type(errors[0]).__name__}: {errors[0]}"
-                             if errors else None},
+                             "warming": sum(lane.warm_left for lane in lanes),
+                             "warm_error": failures[0] if failures else None},
                             status_code=200 if alive else 503)
 
     async def models(self, request):

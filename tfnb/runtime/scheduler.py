@@ -381,6 +381,17 @@ class Lane:
         if replaced and self.warm_request is not None:
             self.queue_warm(*self.warm_request)  # new caches come with functions of their own
 
+    @property
+    def warm_left(self) -> int:
+        """Shapes still to compile, the one compiling now included."""
+        return len(self.warming) + (self.compiling is not None)
+
+    @property
+    def warm_failure(self) -> str | None:
+        """The error that stopped this lane's warm-up, as a message, or None."""
+        e = self.warm_error
+        return None if e is None else f"{type(e).__name__}: {e}"
+
     def queue_warm(self, modes, prompt_tokens: int) -> int:
         """Queue the shapes (:func:`warm_shapes`) of this lane's caches, or of the caches its
         first request makes; returns how many."""
@@ -658,7 +669,7 @@ class Scheduler:
 
     def warming(self) -> int:
         """Shapes still to compile, over the lanes (the ones compiling now included)."""
-        return sum(len(lane.warming) + (lane.compiling is not None) for lane in self.lanes)
+        return sum(lane.warm_left for lane in self.lanes)
 
     def cancel_warmup(self) -> None:
         """Drop the shapes still queued (one compiling now finishes), and forget the warm-up
@@ -734,8 +745,6 @@ class Scheduler:
                           "slot": lane.slot, "steps": lane.steps, "calls": lane.calls,
                           "shifts": lane.shifts, "peak_rows": lane.peak_rows,
                           "running": thread is not None and thread.is_alive(),
-                          "warming": len(lane.warming) + (lane.compiling is not None),
-                          "warm_error": None if lane.warm_error is None
-                          else f"{type(lane.warm_error).__name__}: {lane.warm_error}"})
+                          "warming": lane.warm_left, "warm_error": lane.warm_failure})
         requests.sort(key=lambda r: r["id"])
         return {"lanes": lanes, "requests": requests, "recent": recent, "served": self.served}
