@@ -369,8 +369,8 @@ void RowsAvx2(const uint8_t* w, int64_t row_bytes, int64_t cols, const float* x,
 // convert in one instruction. A block of 32 is two zmm vectors, and with 32 registers up to 8
 // activation rows keep their accumulators in registers. SmolLM2's matmuls (one XLA function,
 // Q4_1, one core): see benchmarks/results/kernel.md. Below 8 activation rows the loops take
-// each block's scales from a float copy made before them (BlockScales512, DecodeBlockScaled512).
-// Probed on the KVM Xeon, SmolLM2's matmuls and head in one XLA function, one core, CPU ms,
+// each block's scales from a float copy made before them (BlockScales512, DecodeBlockScaled512):
+// at one row for every type, at 2 to 7 for Q4_1 (below). Probed on the KVM Xeon, SmolLM2's matmuls and head in one XLA function, one core, CPU ms,
 // alternated 3 times: 13.0-13.4 against 13.7-13.9 at 1 row, 14.3-14.9 against 15.8-16.0 at 3,
 // 16.3-16.7 against 17.4-17.6 at 4, 19.9-20.0 against 20.7-20.9 at 6; at 8 rows 25.2-25.5
 // against 25.0-25.3, so 8 rows keep this decode.
@@ -409,18 +409,17 @@ TFNB_AVX512 inline void DecodeBlock512(const uint8_t* blk, __m512* w) {
 
 // The scales of `n` (<= 64) consecutive blocks of a quantized row as float32, 16 blocks per
 // conversion: Q4_1 as pairs (d, m) in `out[2b]`, `out[2b + 1]`; Q4_0 and Q8_0 as d in
-// `out[b]`. Nothing past the n blocks is read. Q4_1's heads are picked out of plain loads by
-// permutes, the other types' gathered: on the Zen 4 (one core, SmolLM2's matmuls and head in
-// one XLA function, alternated processes) 4 rows took 17.9 ms against 19.4-20.2 with the
-// gather, whose instruction held 12% of the kernel's profile samples; served on two one-core
-// replicas, 8 clients gave 251.6 against 246.0 tokens/s (medians of 5 rounds; one worker
-// 155.0 against 154.4).
+// `out[b]`. Nothing past the n blocks is read. A gather did this before; on the Zen 4 machine
+// its instruction held 12% of the 4-row kernel's profile samples. Q4_1's heads (dword 5b of a
+// run of 16 blocks) are now picked out of five plain loads by permutes, the other types' d
+// (at 18b or 34b bytes, not dword-aligned) read one by one. Zen 4, one core, one XLA function,
+// alternated processes: SmolLM2's Q4_1 matmuls and a Q4_1 head at 4 rows 17.9 ms against
+// 19.4-20.2; its Q8_0 head alone at 1 row 2.7-2.8 against 3.1. Served on two one-core
+// replicas, 8 clients gave 251.6 against 246.0 tokens/s (medians of 5 rounds).
 template <int QT>
 TFNB_AVX512 inline void BlockScales512(const uint8_t* blk, int64_t n, float* out) {
   if constexpr (QT == kQ4_1) {
-    // Block b's head is dword 5b of the run: 16 blocks are 5 loads of 16 dwords, and four
-    // two-source permutes pick dwords 0, 5, ..., 75 out of them.
-    const __m512i pick[4] = {
+    const __m512i pick[4] = {  // dwords 0, 5, ..., 75 of five registers, the first two at once
         _mm512_setr_epi32(0, 5, 10, 15, 20, 25, 30, 0, 0, 0, 0, 0, 0, 0, 0, 0),
         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 19, 24, 29, 0, 0, 0, 0, 0, 0),
         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 18, 23, 28, 0, 0, 0),
@@ -437,20 +436,13 @@ TFNB_AVX512 inline void BlockScales512(const uint8_t* blk, int64_t n, float* out
       _mm512_storeu_ps(out + 2 * b, _mm512_cvtph_ps(_mm512_castsi512_si256(head)));
       _mm512_storeu_ps(out + 2 * b + 16, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(head, 1)));
     }
-    return;
-  }
-  const __m512i at = _mm512_mullo_epi32(
-      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-      _mm512_set1_epi32(BlockBytes<QT>()));
-  for (int64_t b = 0; b < n; b += 16, blk += 16 * BlockBytes<QT>()) {
-    const __mmask16 live = n - b >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - b)) - 1);
-    // a block's first 4 bytes: d and m (Q4_1), or d and two bytes of codes (Q4_0, Q8_0)
-    const __m512i head = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, at, blk, 1);
-    if (QT == kQ4_1) {
-      _mm512_storeu_ps(out + 2 * b, _mm512_cvtph_ps(_mm512_castsi512_si256(head)));
-      _mm512_storeu_ps(out + 2 * b + 16, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(head, 1)));
-    } else {
-      _mm512_storeu_ps(out + b, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head)));
+  } else {
+    alignas(32) uint16_t d[16] = {};
+    for (int64_t b = 0; b < n; b += 16, blk += 16 * BlockBytes<QT>()) {
+      for (int64_t i = 0; i < std::min<int64_t>(16, n - b); ++i)
+        d[i] = LoadU16(blk + i * BlockBytes<QT>());
+      _mm512_storeu_ps(out + b, _mm512_cvtph_ps(
+          _mm256_load_si256(reinterpret_cast<const __m256i*>(d))));
     }
   }
 }
@@ -542,7 +534,9 @@ TFNB_AVX512 void DotRowsAvx512(const uint8_t* row, int64_t row_bytes, int64_t co
                                const float* x, float* out) {
   constexpr int kS = QT == kQ4_1 ? 2 : 1;  // scale floats per block
   constexpr int64_t kSpan = 64;            // blocks per scale conversion
-  constexpr bool kScaled = NN < kMaxN512;  // at 8 rows the prepass measured no faster
+  // At 8 rows the prepass measured no faster; Q4_0 and Q8_0 read their one scale per block
+  // (on the Zen 4 SmolLM2's Q8_0 head at 4 rows took 3.8-3.9 ms so, 4.4-4.9 with a prepass)
+  constexpr bool kScaled = NN < kMaxN512 && QT == kQ4_1;
   __m512 acc[MR][NN];
   for (int r = 0; r < MR; ++r)
     for (int n = 0; n < NN; ++n) acc[r][n] = _mm512_setzero_ps();
