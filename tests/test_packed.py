@@ -40,10 +40,11 @@ def packed_rows(w_MxC, name):
 def test_packed_matmul_matches_gguf_dequantize(name, M, C, N):
     """Odd row counts, one-block and many-block rows, odd and even block counts; on AVX2 up
     to 5 activation rows at once in registers, more in tiles of 4 weight rows x 3 activation
-    rows (and their 1 to 3 row remainders); on AVX-512 up to 8 in registers (one activation
-    row takes two blocks a step, so an odd block count leaves one over; 2 to 8 take quantized
-    weight rows two at a time, so an odd row count leaves one over), more in groups of 8 over
-    chunks of 32 weight rows (a last group of 1 to 7 rows, a last chunk of 1 to 31)."""
+    rows (and their 1 to 3 row remainders); on AVX-512 up to 8 in registers (1 to 8 take
+    quantized weight rows two at a time, so an odd row count leaves one over, which one
+    activation row multiplies two blocks a step, so an odd block count leaves one over), more
+    in groups of 8 over chunks of 32 weight rows (a last group of 1 to 7 rows, a last chunk of
+    1 to 31)."""
     import tensorflow as tf
 
     rng = np.random.default_rng(M * C + N)

@@ -469,8 +469,9 @@ TFNB_AVX512 inline void DecodeBlockScaled512(const uint8_t* blk, const float* s,
   w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table);
 }
 
-// As DotRowAvx2: float rows (up to kMaxN512 activation rows; `cols` a multiple of 16) and
-// quantized rows against one activation row (DotRowsAvx512 takes more).
+// As DotRowAvx2: float rows (up to kMaxN512 activation rows; `cols` a multiple of 16) and a
+// quantized row against one activation row, when it has no second row to go with it
+// (DotRowsAvx512 takes quantized rows two at a time).
 template <int QT, int NN>
 TFNB_AVX512 void DotRowAvx512(const uint8_t* row, int64_t cols, const float* x, float* out) {
   constexpr int A = NN == 1 ? 4 : 2;  // accumulators per activation row
@@ -521,11 +522,14 @@ TFNB_AVX512 void DotRowAvx512(const uint8_t* row, int64_t cols, const float* x, 
   }
 }
 
-// MR weight rows against NN (2 or more) activation rows of a quantized matrix: each activation
-// vector loaded feeds MR FMAs. Probed on the KVM Xeon (one core): a 512-bit load from L1
-// issued about once per cycle, so at one weight row the loads, not the FMAs, set the pace;
-// two rows took SmolLM2's matmuls at 8 activation rows from 25-27 to 21-23 ms (four rows
-// at 4 activation rows ran no faster than two). The blocks' scales are converted 64 blocks
+// MR weight rows against NN activation rows of a quantized matrix: each activation vector
+// loaded feeds MR FMAs. Probed on the KVM Xeon (one core): a 512-bit load from L1 issued about
+// once per cycle, so at one weight row the loads, not the FMAs, set the pace; two rows took
+// SmolLM2's matmuls at 8 activation rows from 25-27 to 21-23 ms (four rows at 4 activation
+// rows ran no faster than two). One activation row goes two weight rows at a time too: on the
+// Zen 4, SmolLM2's matmuls and Q8_0 head in one XLA function took 10.3-10.4 ms at 1 row
+// against 11.1-11.3 one weight row at a time (DotRowAvx512; alternated 3 times), and each
+// output then sums in the order it does at any other row count. The blocks' scales are converted 64 blocks
 // at a time before their codes (BlockScales512): on the KVM Xeon a block's conversion and
 // broadcasts inside the loop took the shuffle port that the codes' lookups and half the
 // FMAs need.
@@ -576,9 +580,11 @@ template <int QT>
 inline void DotGroupAvx512(const uint8_t* row, int64_t row_bytes, int64_t cols, const float* x,
                            int g, int mr, float* out) {
   if constexpr (QT != kF32 && QT != kF16) {
-    if (g == 1) {  // one activation row: DotRowAvx512, once per weight row
-      for (int r = 0; r < mr; ++r)
-        DotRowAvx512<QT, 1>(row + r * row_bytes, cols, x, out + r * kMaxN512);
+    if (g == 1) {  // one activation row: two weight rows at once, or DotRowAvx512 for one
+      if (mr == 2)
+        DotRowsAvx512<QT, 1, 2>(row, row_bytes, cols, x, out);
+      else
+        DotRowAvx512<QT, 1>(row, cols, x, out);
       return;
     }
     switch (g * 2 + mr - 1) {
@@ -620,7 +626,7 @@ void RowsAvx512(const uint8_t* w, int64_t row_bytes, int64_t cols, const float* 
       const int g = static_cast<int>(std::min<int64_t>(kMaxN512, N - n0));
       for (int64_t m = c0; m < c1;) {
         const uint8_t* row = w + m * row_bytes;
-        const int mr = kQuantized && N >= 2 && m + 1 < c1 ? 2 : 1;
+        const int mr = kQuantized && m + 1 < c1 ? 2 : 1;
         if (n0 == 0) PrefetchRow(row, mr * row_bytes, w + m1 * row_bytes);
         DotGroupAvx512<QT>(row, row_bytes, cols, x + n0 * cols, g, mr, out);
         for (int r = 0; r < mr; ++r)
