@@ -245,11 +245,10 @@ class _Endpoint:
         from starlette.responses import JSONResponse
 
         alive = [r for r in self.model.replicas if r.lost is None]
-        lanes = [lane for r in alive for lane in r.scheduler.lanes]
-        failures = [lane.warm_failure for lane in lanes if lane.warm_failure]
+        errors = [e for e in (r.scheduler.warm_error() for r in alive) if e]
         return JSONResponse({"status": "ok" if alive else "lost", "replicas": len(alive),
-                             "warming": sum(lane.warm_left for lane in lanes),
-                             "warm_error": failures[0] if failures else None},
+                             "warming": sum(r.scheduler.warming() for r in alive),
+                             "warm_error": errors[0] if errors else None},
                             status_code=200 if alive else 503)
 
     async def models(self, request):

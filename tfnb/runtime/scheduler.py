@@ -671,6 +671,10 @@ class Scheduler:
         """Shapes still to compile, over the lanes (the ones compiling now included)."""
         return sum(lane.warm_left for lane in self.lanes)
 
+    def warm_error(self) -> str | None:
+        """The first error that stopped a lane's warm-up, as a message, or None."""
+        return next((lane.warm_failure for lane in self.lanes if lane.warm_failure), None)
+
     def cancel_warmup(self) -> None:
         """Drop the shapes still queued (one compiling now finishes), and forget the warm-up
         (bigger caches later do not queue it again)."""
