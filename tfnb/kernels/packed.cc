@@ -370,12 +370,12 @@ void RowsAvx2(const uint8_t* w, int64_t row_bytes, int64_t cols, const float* x,
 // convert in one instruction. A block of 32 is two zmm vectors, and with 32 registers up to 8
 // activation rows keep their accumulators in registers. SmolLM2's matmuls (one XLA function,
 // Q4_1, one core): see benchmarks/results/kernel.md. Below 8 activation rows the loops take
-// each Q4_1 block's scales from a float copy made before them (BlockScales512,
-// DecodeBlockScaled512), as does a lone weight row of any type (DotRowAvx512). Probed on the
-// KVM Xeon, SmolLM2's matmuls and head in one XLA function, one core, CPU ms, alternated 3
-// times: 13.0-13.4 against 13.7-13.9 at 1 row, 14.3-14.9 against 15.8-16.0 at 3, 16.3-16.7
-// against 17.4-17.6 at 4, 19.9-20.0 against 20.7-20.9 at 6; at 8 rows 25.2-25.5 against
-// 25.0-25.3, so 8 rows keep this decode.
+// each Q4_1 block's scales of a row of 32 blocks or more from a float copy made before them
+// (BlockScales512, DecodeBlockScaled512), as does a lone weight row of any type
+// (DotRowAvx512). Probed on the KVM Xeon, SmolLM2's matmuls and head in one XLA function, one
+// core, CPU ms, alternated 3 times: 13.0-13.4 against 13.7-13.9 at 1 row, 14.3-14.9 against
+// 15.8-16.0 at 3, 16.3-16.7 against 17.4-17.6 at 4, 19.9-20.0 against 20.7-20.9 at 6; at 8
+// rows 25.2-25.5 against 25.0-25.3, so 8 rows keep this decode.
 #define TFNB_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
 
 constexpr int kMaxN512 = 8;
@@ -559,10 +559,10 @@ TFNB_AVX512 inline void ReduceAdd8(const __m512* v, float* sums) {
 // rows ran no faster than two). One activation row goes two weight rows at a time too: on the
 // Zen 4, SmolLM2's matmuls and Q8_0 head in one XLA function took 10.3-10.4 ms at 1 row
 // against 11.1-11.3 one weight row at a time (DotRowAvx512; alternated 3 times), and each
-// output then sums in the order it does at any other row count. Q4_1's block scales are
-// converted 64 blocks at a time before their codes (BlockScales512): on the KVM Xeon a block's
-// conversion and broadcasts inside the loop took the shuffle port that the codes' lookups and
-// half the FMAs need.
+// output then sums in the order it does at any other row count. Q4_1's block scales of rows
+// of 32 blocks or more are converted 64 blocks at a time before their codes (BlockScales512,
+// kMinPrepass below): on the KVM Xeon a block's conversion and broadcasts inside the loop
+// took the shuffle port that the codes' lookups and half the FMAs need.
 template <int QT, int NN, int MR>
 TFNB_AVX512 void DotRowsAvx512(const uint8_t* row, int64_t row_bytes, int64_t cols,
                                const float* x, float* out) {
