@@ -579,9 +579,9 @@ TFNB_AVX512 void DotRowsAvx512(const uint8_t* row, int64_t row_bytes, int64_t co
   // A row of fewer than kMinPrepass blocks reads its scales per block: its prepass ends in
   // a span of a few blocks whose masks are computed one by one (SmolLM2's 576 columns are 16
   // blocks and 2). The kernel's code compiled alone, one Zen 4 core, 576 weight rows in L2,
-  // cycles per weight row and block: 18 blocks, 4 rows 12.8-13.2 per block against 13.8-14.0
-  // with the prepass, 1 row 7.3 against 8.1, 6 rows 16.8 against 18.7-20.5; 48 blocks, within
-  // 3% either way (4 rows 11.75 against 11.71-11.73).
+  // cycles per weight row and block on rows of 18 blocks: 12.8-13.2 at 4 activation rows
+  // against 13.8-14.0 with the prepass, 7.3 against 8.1 at 1, 16.8 against 18.7-20.5 at 6; on
+  // rows of 48 blocks within 3% either way (11.75 against 11.71-11.73 at 4).
   constexpr int64_t kMinPrepass = 32;
   auto blocks = [&](auto prepass) TFNB_AVX512 {
     for (int64_t b0 = 0; b0 < nb; b0 += kSpan) {
