@@ -53,3 +53,22 @@ def test_the_graph_a_worker_runs_takes_one_tensor_and_gives_one(cluster):
 @pytest.mark.parametrize("args", [(tf.constant([1, 2]),), (None,), ("text",)])
 def test_tensors_none_and_strings_are_not_packed(args):
     assert wire.signature(args) is None
+
+
+def test_later_calls_run_the_first_graph_and_read_its_variables_as_they_are_now(cluster):
+    """Calls after the first go straight to the graph it traced (tf.function's own lookup
+    hashes every captured variable on each call): new values give new results, and a captured
+    variable assigned between calls is read as it is then."""
+    with tf.device(cluster.devices[0]):
+        offset = tf.Variable(1, dtype=tf.int32)
+
+    @tf.function
+    def add(x_B, n):
+        return x_B + offset * n
+
+    call = OnDevice(add, cluster.devices[0])
+    np.testing.assert_array_equal(call(np.array([1, 2], np.int32), np.int32(1)), [2, 3])
+    offset.assign(10)
+    np.testing.assert_array_equal(call(np.array([5, 6], np.int32), np.int32(2)), [25, 26])
+    np.testing.assert_array_equal(call(np.array([0, 0, 0], np.int32), np.int32(1)), [10] * 3)
+    assert call.experimental_get_tracing_count() == 2  # one graph per argument signature

@@ -364,7 +364,7 @@ class OnDevice:
         if wired is not None:
             call, blob = wired
             with tf.device(self.device):
-                out = call.fn(blob)
+                out = call.run(blob)
             return call.unpack(out.numpy())
         with tf.device(client_cpu()):
             args = [a if isinstance(a, tf.Tensor) or a is None else tf.constant(a) for a in args]
