@@ -7,9 +7,11 @@ so the two-worker configurations have twice the cores of the single one, as two 
 would. ``C`` clients (C = 1, 2, 4, 8, 16) each send ``--requests`` greedy requests of ``--new``
 new tokens (EOS off, so every request makes them all); the figure is the aggregate tokens per
 second of the round and the median and 95th percentile of the requests' latencies. At 8
-clients, where the targets are read, each configuration runs 3 rounds and the median round
-counts (all three are in the JSON and the summary): single rounds of one configuration varied
-by 10-25% on the 2-core machine. Each tfnb round also records every worker's CPU time over the
+clients, where the targets are read, each configuration runs 5 rounds and the median round
+counts (all five are in the JSON and the summary, with the median of the two-worker
+configurations' round-by-round ratios to the single worker: their rounds take turns, so each
+ratio compares rounds a few seconds apart): single rounds of one configuration varied by
+10-25% on the 2-core machine. Each tfnb round also records every worker's CPU time over the
 round's wall time: how busy each core was, and how much CPU a token cost in all.
 
 The three tfnb configurations are placed at once on one cluster of two workers, each pinned to
@@ -24,7 +26,7 @@ a core, and their rounds interleave (the single worker is worker 0 alone):
 * ``llama.cpp``: ``llama-server -t 1 -np 16`` on core 0, and with ``--rpc`` over two
   ``ggml-rpc-server``s on cores 0 and 1; requests through its OpenAI API.
 
-The tfnb configurations also run 3 rounds of 8 clients streaming their requests in 4-token
+The tfnb configurations also run 5 rounds of 8 clients streaming their requests in 4-token
 chunks, as ``tfnb.serve`` streams (one decode call per chunk, so four times the calls).
 
 For the tfnb configurations the planner's predicted throughput at 8 concurrent requests is set
@@ -57,7 +59,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 PROMPT = "Name three colours of the rainbow."
 CONCURRENCY = (1, 2, 4, 8, 16)
 PREDICT_AT = 8
-REPEATS_AT = 3  # rounds at PREDICT_AT requests (the targets' point): the median one counts
+REPEATS_AT = 5  # rounds at PREDICT_AT requests (the targets' point): the median one counts
 STREAM_CHUNK = 4  # tokens per streamed event, as tfnb.serve streams (a decode call each)
 
 
@@ -287,8 +289,14 @@ def summary(results: dict) -> str:
     one = rate.get("tfnb 1 worker")
     for n in ("tfnb split", "tfnb replicas"):
         if n in rate and one:
+            # the configurations' rounds take turns: round i of each ran in the same cycle
+            paired = [a / b for a, b in zip(results[n]["rounds"][at].get("repeats", []),
+                                            results["tfnb 1 worker"]["rounds"][at].get(
+                                                "repeats", []))]
             lines.append(f"- {n} / tfnb 1 worker at {PREDICT_AT} requests: "
-                         f"{rate[n] / one:.2f}x (target >= 1.7x)")
+                         f"{rate[n] / one:.2f}x (target >= 1.7x)" + (
+                             f"; round by round {min(paired):.2f}-{max(paired):.2f}x, median "
+                             f"{statistics.median(paired):.2f}x" if paired else ""))
         rpc = rate.get("llama.cpp server, RPC 2 x 1 core")
         if n in rate and rpc:
             lines.append(f"- {n} / llama.cpp RPC at {PREDICT_AT} requests: {rate[n] / rpc:.2f}x "
