@@ -379,7 +379,7 @@ class OnDevice:
             if wired is None:
                 self.fn.get_concrete_function(*args)
             else:
-                wired[0].fn.get_concrete_function(wired[1])
+                wired[0].concrete(wired[1])
 
     def experimental_get_tracing_count(self) -> int:
         """Traces so far, of the packed calls and of calls as they are."""

@@ -123,6 +123,12 @@ class Packed:
         self.fn = tf.function(call)
         self._concrete = None
 
+    def concrete(self, blob: tf.Tensor):
+        """The one graph of ``self.fn`` for ``blob``'s signature, traced on the first request."""
+        if self._concrete is None:
+            self._concrete = self.fn.get_concrete_function(blob)
+        return self._concrete
+
     def run(self, blob: tf.Tensor) -> tf.Tensor:
         """``self.fn(blob)``: the first call traces the graph, later calls run it directly.
 
@@ -130,10 +136,7 @@ class Packed:
         variable it captures, hashing each of them on every call; a placed model's function
         captures a few hundred (weights and caches). The signature here never changes, so
         there is one graph to run (see the module docstring for what the lookup cost)."""
-        concrete = self._concrete
-        if concrete is None:
-            concrete = self._concrete = self.fn.get_concrete_function(blob)
-        return concrete(blob)
+        return self.concrete(blob)(blob)
 
     def unpack(self, buf: np.ndarray):
         """The results, as numpy arrays (numpy scalars for 0-d ones) nested as ``fn``
