@@ -6,9 +6,10 @@ device. Consecutive stages on one device form a *segment*; each segment has one 
 function for prefill and one for a decode step, which read its weights and update its KV caches
 (also variables on that device) in place. Generate calls run in the placed model's scheduler
 (:mod:`tfnb.runtime.scheduler`): concurrent calls share the batch, joining and leaving between
-chunks of decode steps. A chunk is a single multi-device ``tf.function``, a ``tf.while_loop``
-whose body calls every segment under ``tf.device(segment.device)``. Only activations (B, T, D)
-and the int32 next token cross devices; sampling happens on the head's device.
+chunks of decode steps. A chunk is a single ``tf.function``: on one device a loop compiled
+whole by XLA (``xla_loop``), over several devices a run of unrolled steps that calls every
+segment under ``tf.device(segment.device)``. Only activations (B, T, D) and the int32 next
+token cross devices; sampling happens on the head's device.
 
 Examples
 --------
@@ -46,7 +47,7 @@ _MAX_PROGRAMS = 3  # cache sets (batch, length) kept alive at once
 
 
 def place_llama(model, assignment, *, timeout: float | None = 60.0,
-                xla_loop: bool = False) -> "PlacedModel":
+                xla_loop: bool = True) -> "PlacedModel":
     """Put ``model``'s stages on devices and return a ``PlacedModel`` ready to generate.
 
     Parameters
@@ -62,12 +63,17 @@ def place_llama(model, assignment, *, timeout: float | None = 60.0,
         (None: wait forever). A call that first compiles a function gets
         ``PlacedModel.compile_timeout`` (900 s) instead.
     xla_loop : bool
-        When every stage is on one device, compile the whole decode loop into one XLA
-        computation: faster per token (about 40 us/step less in this process; on a remote
-        worker pinned to one core, probed, SmolLM2 ran 34 against 39 ms per token), but every
-        new prompt length bucket and streaming recompile the whole loop. Default False: the
-        loop is a graph loop calling each segment's compiled step, which new prompt lengths
-        reuse.
+        When every stage is on one device (default True), each chunk of decode steps is one
+        XLA computation, the loop inside it; else a graph loop on the device launches the
+        compiled step once per step, each launch passing every weight and cache variable.
+        Either compiles once per batch bucket, window and sampling mode (prompts prefill in
+        functions of their own, and a chunk's length is an argument). Probed on the Zen 4
+        machine, SmolLM2 on one worker pinned to one core, ms per step (alternated 3 times):
+        10.0-10.2 against 10.9-11.1 at 1 row, 18.0-18.9 against 19.0-19.4 at 4 rows, 30.0-30.2
+        against 30.9-31.6 at 8. Served, 8 clients, one worker and two one-core replicas
+        alternated twice: 163.9-168.2 and 286.0-288.8 tokens/s against 157.2-161.4 and
+        267.6-274.5; the shapes those rounds reach compiled in 63-67 s against 61-62. A chain over several devices runs
+        unrolled chunks instead (:func:`tfnb.runtime.graphs.unrolled_decode`).
 
     Raises
     ------
@@ -130,7 +136,7 @@ class PlacedModel:
 
     def __init__(self, config, weights, tokenizer, assignment: dict[str, str], *,
                  timeout: float | None = 60.0, name: str | None = None, reuse=None,
-                 xla_loop: bool = False, plan=None):
+                 xla_loop: bool = True, plan=None):
         self.config, self.tokenizer, self.timeout, self.name = config, tokenizer, timeout, name
         self.plan = plan
         self._weights = weights  # the client's copy (not duplicated), for replace()
