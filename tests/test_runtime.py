@@ -71,10 +71,18 @@ def hf(model):
 
 @pytest.fixture(scope="module")
 def pm1(model):
-    """One device, the whole decode loop in one XLA computation."""
+    """One device, the whole decode loop in one XLA computation (the default there)."""
     from tfnb.runtime import place_llama as place
 
     return place(model, CPU[:1], xla_loop=True)
+
+
+@pytest.fixture(scope="module")
+def pm1_graph_loop(model):
+    """One device, each decode step launched from a graph loop (``xla_loop=False``)."""
+    from tfnb.runtime import place_llama as place
+
+    return place(model, CPU[:1], xla_loop=False)
 
 
 @pytest.fixture(scope="module")
@@ -99,10 +107,11 @@ def _hf_greedy(hf, ids, n):
 
 
 @needs_devices
-def test_greedy_tokens_match_hf_on_1_2_3_devices(hf, pm1, pm2, pm3):
+def test_greedy_tokens_match_hf_on_1_2_3_devices(hf, pm1, pm1_graph_loop, pm2, pm3):
     for ids in PROMPTS:
         want = _hf_greedy(hf, ids, 12)
         assert pm1.generate_ids(ids, max_new_tokens=12) == want
+        assert pm1_graph_loop.generate_ids(ids, max_new_tokens=12) == want
         assert pm2.generate_ids(ids, max_new_tokens=12) == want
         assert pm3.generate_ids(ids, max_new_tokens=12) == want
 
