@@ -144,9 +144,11 @@ def segment_functions(seg: Segment, params: dict, caches, cfg, eos_ids, pad_id) 
             with tf.name_scope("embed"):
                 x = _embed(x, params)
         h_BxTxD = x
+        rope = L.rope_for(pad_B, 0, x.shape[1], cfg) if blocks else None
         for stage, p, ck, cv in blocks:
             with tf.name_scope(stage):
-                h_BxTxD = L.block_prefill(h_BxTxD, p, ck, cv, pad_B, cfg, first_slot, first_row)
+                h_BxTxD = L.block_prefill(h_BxTxD, p, ck, cv, pad_B, cfg, first_slot, first_row,
+                                          rope)
         if not seg.has_head:
             return h_BxTxD
         with tf.name_scope("head"):
@@ -161,9 +163,10 @@ def segment_functions(seg: Segment, params: dict, caches, cfg, eos_ids, pad_id) 
             with tf.name_scope("embed"):
                 x = _embed(tok_B[:, None], params)
         h_Bx1xD = x
+        rope = L.rope_for(pad_B, slot, 1, cfg) if blocks else None
         for stage, p, ck, cv in blocks:
             with tf.name_scope(stage):
-                h_Bx1xD = L.block_decode(h_Bx1xD, p, ck, cv, pad_B, slot, cfg, window)
+                h_Bx1xD = L.block_decode(h_Bx1xD, p, ck, cv, pad_B, slot, cfg, window, rope)
         if not seg.has_head:
             return h_Bx1xD
         with tf.name_scope("head"):
