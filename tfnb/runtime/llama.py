@@ -177,7 +177,7 @@ def rope_for(pad_B, first_slot, T, cfg):
     each block, XLA computed them once per block (30 times a SmolLM2 step; ``sincosf`` held
     1.3% of a 4-row step's profile). Probed on one one-core worker (Zen 4, alternated
     processes): a 37-token prompt prefilled in 107-110 ms against 112-120, a decode step of
-    2 rows took 12.2-13.0 ms against 12.9-13.3, of 4 rows 17.8-18.5 against 18.0-20.0."""
+    2 rows took 12.2-13.0 ms against 12.9-13.3, of 4 rows 17.8-18.5 against 18.0-20.1."""
     return rope_tables(positions(pad_B, first_slot, T), cfg.head_dim, cfg.rope_theta)
 
 
