@@ -174,11 +174,11 @@ def rope_tables(pos_BxT, head_dim, theta):
 def rope_for(pad_B, first_slot, T, cfg):
     """The rotary tables of ``T`` slots from ``first_slot`` (:func:`positions`), which every
     block of a call shares. A call makes them once and hands them to each block: made inside
-    each block, XLA computed them once per block (30 times a SmolLM2 step; ``sincosf`` held
-    1.3% of a 4-row step's profile, and still 0.9% made once at full width, so each half is
-    computed once: none). Probed on one one-core worker (Zen 4, alternated
-    processes): a 37-token prompt prefilled in 107-110 ms against 112-120, a decode step of
-    2 rows took 12.2-13.0 ms against 12.9-13.3, of 4 rows 17.8-18.5 against 18.0-20.1."""
+    each block, XLA computed them once per block, 30 times a SmolLM2 step (``sincosf`` held
+    1.3% of a 4-row step's profile; made once per call at full width, 0.9%; each half once, as
+    here, none). Probed on one one-core worker (Zen 4, alternated processes): a 37-token prompt
+    prefilled in 107-110 ms against 112-120, a decode step of 2 rows took 12.2-13.0 ms against
+    12.9-13.3, of 4 rows 17.8-18.5 against 18.0-20.1."""
     return rope_tables(positions(pad_B, first_slot, T), cfg.head_dim, cfg.rope_theta)
 
 
