@@ -78,14 +78,19 @@ def tf_warnings():
         tf.get_logger().removeHandler(seen)
 
 
+def local_cluster(n: int):
+    """``n`` worker processes, closed when the fixture that yields from this ends."""
+    from tfnb.cluster import LocalCluster
+
+    lc = LocalCluster(n)
+    yield lc
+    lc.close()
+
+
 @pytest.fixture(scope="module")
 def own_workers():
     """Two worker processes of the test module's own, for tests that stop, kill or restart them."""
-    from tfnb.cluster import LocalCluster
-
-    lc = LocalCluster(2)
-    yield lc
-    lc.close()
+    yield from local_cluster(2)
 
 
 @pytest.fixture

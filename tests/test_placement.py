@@ -147,15 +147,47 @@ def test_every_planner_respects_memory_including_kv(mode):
     kv = sum(chain.kv_bytes(4, 2048).values())
     cap = params + kv // 2 if mode == "replicate" else (params + kv) // 3 + 20 * MB
     topo = Topology([f"d{i}" for i in range(4)], memory=cap, flops=[1e12, 2e12, 3e12, 4e12])
-    if mode == "replicate":  # the weights alone fit, with the KV cache they do not
+    if mode == "replicate":  # the weights alone fit, with the KV cache they do not: each
+        # copy then runs over two devices, within their caps
+        hybrid = plan(chain, topo, mode=mode, batch=4 * 4, context_len=2048)
+        assert hybrid.replicas == (("d0", "d1"), ("d2", "d3"))
+        assert max(hybrid.prediction.memory.values()) <= cap
         with pytest.raises(PlacementError, match="KV"):
-            plan(chain, topo, mode=mode, batch=4 * 4, context_len=2048)
+            plan(chain, topo.with_max_memory(params // 3), mode=mode, batch=16,
+                 context_len=2048)
         topo = topo.with_max_memory({d: params + kv for d in topo.devices})
     p = plan(chain, topo, mode=mode, batch=4, context_len=2048)
     for dev, used in p.prediction.memory.items():
         assert used <= p.prediction.capacity[dev]
     if mode != "replicate":  # the KV cache is counted where its stage is
         assert sum(p.prediction.memory.values()) == params + kv
+
+
+def test_a_copy_too_large_for_one_device_replicates_as_pipelines_over_device_pairs(tmp_path):
+    """A hybrid plan: each copy a pipeline over two consecutive devices, cut as the optimal
+    planner cuts it, the fifth device left out; predicted as the sum of its copies."""
+    chain = load_chain_like_smollm2()
+    topo = Topology([f"d{i}" for i in range(5)], memory=0.6 * chain.total_param_bytes)
+    p = plan(chain, topo, mode="replicate", batch=4, context_len=256, prompt_len=40,
+             new_tokens=16)
+    assert p.replicas == (("d0", "d1"), ("d2", "d3")) and p.devices_per_replica == 2
+    first, second = p.replica_assignments()
+    assert first == p.assignment and set(first.values()) == {"d0", "d1"}
+    assert second == {s: {"d0": "d2", "d1": "d3"}[d] for s, d in first.items()}
+    copies = [predict(chain, a, topo, 2, 256, 40, 16) for a in (first, second)]
+    assert p.prediction.throughput == pytest.approx(sum(c.throughput for c in copies))
+    assert p.prediction.memory == {**copies[0].memory, **copies[1].memory}
+    assert "2 replicas of 2 segments each" in str(p) and str(p).count("embed ..") == 2
+    assert Plan.load(p.save(tmp_path / "hybrid.json")) == p
+    rebuilt = {}
+    exec(p.to_python(), rebuilt)
+    assert rebuilt["plan"] == p
+    bad = [[("d0", "d1"), "d2"], [("d0", "d1"), ("d1", "d2")], [("d1", "d0"), ("d2", "d3")]]
+    for replicas, match in zip(bad, ["equal-length", "d1' is in two", "first copy"]):
+        with pytest.raises(PlacementError, match=match):
+            Plan(first, "replicate", replicas=replicas)
+    with pytest.raises(PlacementError, match="nor does any group of up to 2 consecutive devices of the 5"):
+        plan(chain, topo.with_max_memory(0.3 * chain.total_param_bytes), mode="replicate")
 
 
 def load_chain_like_smollm2():

@@ -95,16 +95,24 @@ def place(model, plan=None, cluster=None, *, timeout: float | None = 60.0, previ
 
 
 def _place_replicas(model, plan: Plan, cluster, timeout):
-    """One full copy per replica device; each is registered with the cluster on its own."""
+    """One full copy per replica (on one device, or a pipeline over a group of them); each is
+    registered with the cluster on its own, so a lost worker takes only its own copy."""
     if model.arch != "llama":
         raise PlacementError(f"model {model.name!r} has arch {model.arch!r}: replicated plans run "
                              "llama-family models; plan Keras chains with mode='optimal'")
+    if cluster is not None:
+        unknown = sorted(set(plan.devices) - set(cluster.devices))
+        if unknown:
+            raise PlacementError(f"replica device {unknown[0]!r} is not in the cluster; it has "
+                                 f"{cluster.devices}")
     from tfnb.runtime import ReplicatedModel, place_llama  # imports TensorFlow
 
     replicas = []
-    for device in plan.replicas:
-        replica = place_llama(model, dict.fromkeys(plan.assignment, device), timeout=timeout)
+    for assignment in plan.replica_assignments():
+        replica = place_llama(model, assignment, timeout=timeout)
         if cluster is not None:
-            cluster.register(replica, f"{model.name} replica on {short_device(device)}", [device])
+            devices = list(dict.fromkeys(assignment.values()))
+            cluster.register(replica, f"{model.name} replica on "
+                             f"{' + '.join(short_device(d) for d in devices)}", devices)
         replicas.append(replica)
     return ReplicatedModel(replicas, plan=plan)

@@ -211,6 +211,20 @@ class Topology:
         kw.update(changes)
         return Topology(**kw)
 
+    def subset(self, devices) -> "Topology":
+        """The topology of ``devices`` alone (in that order): their caps, speeds, links and
+        measured times.
+
+        >>> Topology(["a", "b", "c"], flops=[1, 2, 3]).subset(["c", "a"]).flops.tolist()
+        [3.0, 1.0]
+        """
+        idx = [self.index(d) for d in devices]
+        keep = set(self.devices[i] for i in idx)
+        return Topology([self.devices[i] for i in idx], self.memory[idx], self.flops[idx],
+                        self.latency[np.ix_(idx, idx)], self.bandwidth[np.ix_(idx, idx)],
+                        {k: t for k, t in self.stage_times.items() if k[1] in keep},
+                        {k: t for k, t in self.prefill_times.items() if k[1] in keep})
+
     def with_max_memory(self, max_memory) -> "Topology":
         """A copy whose memory caps are replaced by ``max_memory``: a dict device -> bytes, or
         one cap (bytes or a string like ``"400MB"``) for every device.
@@ -482,38 +496,36 @@ def predict(chain, assignment: dict, topology: Topology, batch: int = 1,
 def predict_replicated(chain, replicas, topology: Topology, batch: int = 1,
                        context_len: int | None = None, prompt_len: int = 0,
                        new_tokens: int = 0) -> Prediction:
-    """Figures of a full copy of ``chain`` on each of ``replicas``, the batch split across them.
+    """Figures of a full copy of ``chain`` per entry of ``replicas``, the batch split across
+    them. An entry is a device (the whole copy there) or an assignment (stage -> device: the
+    copy a pipeline over its devices).
 
-    Each copy gets ``ceil(batch / len(replicas))`` sequences (the last ones fewer); latency is
-    the slowest copy's step, throughput the sum of the copies' ``share / step`` (with
-    ``prompt_len`` and ``new_tokens``: of their served requests).
+    Each copy gets ``ceil(batch / len(replicas))`` sequences (the last ones fewer) and is
+    predicted as :func:`predict` predicts it; latency is the slowest copy's step, throughput
+    (and the decode steps' alone) the sum of the copies', memory each device's, and the
+    bottleneck the slowest copy's. ``stage_s`` and ``prefill_s`` are the first copy's;
+    ``lanes`` counts every copy's.
     """
     batch, context_len = check_load(batch, context_len)
     prompt_len, new_tokens = check_requests(prompt_len, new_tokens)
-    shares = [batch // len(replicas) + (i < batch % len(replicas)) for i in range(len(replicas))]
+    copies = [dict.fromkeys(chain.names, r) if isinstance(r, str) else r for r in replicas]
+    shares = [batch // len(copies) + (i < batch % len(copies)) for i in range(len(copies))]
     shares = [s for s in shares if s] or [1]
-    latency, throughput, decode, memory, capacity = 0.0, 0.0, 0.0, {}, {}
-    slowest, name = 0.0, ""
-    for dev, share in zip(replicas, shares):
-        d = topology.index(dev)
-        step = sum(topology.stage_s(s, d, share, context_len) for s in chain)
-        rate = share / step if step > 0 else math.inf
-        decode += rate
-        if prompt_len:
-            prefill = sum(topology.prefill_s(s, d, prompt_len) for s in chain)
-            rate = serving_rate(share, new_tokens, {dev: step}, {dev: prefill})
-        throughput += rate
-        if step >= slowest:
-            slowest, name = step, f"compute on {short_device(dev)}"
-        latency = max(latency, step)
-        memory[dev] = sum(stage_memory(chain, share, context_len))
-        capacity[dev] = float(topology.memory[d])
-    for dev in replicas[len(shares):]:
-        memory[dev], capacity[dev] = 0, float(topology.memory[topology.index(dev)])
-    first = topology.index(replicas[0])
-    stage_s = {s.name: topology.stage_s(s, first, shares[0], context_len) for s in chain}
-    prefill_s = {s.name: topology.prefill_s(s, first, prompt_len) for s in chain} \
-        if prompt_len else {}
-    return Prediction(latency, throughput, 0.0, memory, capacity, name, slowest, stage_s,
-                      decode, prompt_len, new_tokens, prefill_s, len(shares),
-                      latency / len(shares))
+    preds = [predict(chain, a, topology, share, context_len, prompt_len, new_tokens)
+             for a, share in zip(copies, shares)]
+    memory, capacity = {}, {}
+    for p in preds:
+        memory.update(p.memory)
+        capacity.update(p.capacity)
+    for a in copies[len(shares):]:  # copies without a sequence hold their weights only
+        for stage in chain:
+            d = a[stage.name]
+            memory[d] = memory.get(d, 0) + stage.param_bytes
+            capacity[d] = float(topology.memory[topology.index(d)])
+    slowest = max(preds, key=lambda p: p.latency_s)
+    lanes = sum(p.lanes for p in preds)
+    crossing = sum(p.bytes_per_token * s for p, s in zip(preds, shares)) / sum(shares)
+    return Prediction(slowest.latency_s, sum(p.throughput for p in preds), crossing, memory,
+                      capacity, slowest.bottleneck, slowest.bottleneck_s, preds[0].stage_s,
+                      sum(p.decode_throughput for p in preds), prompt_len, new_tokens,
+                      preds[0].prefill_s, lanes, slowest.latency_s / lanes)

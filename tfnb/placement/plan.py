@@ -11,7 +11,7 @@ from __future__ import annotations
 import html
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from tfnb.errors import PlacementError
@@ -71,9 +71,11 @@ def _literal(x) -> str:
 class Plan:
     """Stage -> device mapping with its mode, objective and predicted figures.
 
-    ``assignment`` maps every stage to a device (for ``mode="replicate"`` all stages map to the
-    first of ``replicas``, each of which holds a full copy). ``prediction`` holds the figures of
-    :func:`tfnb.placement.cost.predict` at ``batch`` and ``context_len``.
+    ``assignment`` maps every stage to a device. A replicated plan (``mode="replicate"``) runs
+    one full copy per entry of ``replicas``: a device, or a tuple of devices that holds the copy
+    as a pipeline (a hybrid plan), the ``k``-th device of each tuple doing what the ``k``-th
+    device of the first does; ``assignment`` is the first copy's. ``prediction`` holds the
+    figures of :func:`tfnb.placement.cost.predict` at ``batch`` and ``context_len``.
 
     Examples
     --------
@@ -108,14 +110,13 @@ class Plan:
             raise PlacementError(f"objective={self.objective!r}: expected one of "
                                  f"{list(OBJECTIVES)}")
         check_load(self.batch, self.context_len)
-        if isinstance(self.replicas, str) or not isinstance(self.replicas, (list, tuple)) or \
-                not all(isinstance(d, str) for d in self.replicas):
-            raise PlacementError(f"replicas={self.replicas!r}: expected a list of device strings")
-        object.__setattr__(self, "replicas", tuple(self.replicas))
-        if self.replicas and set(a.values()) != {self.replicas[0]}:
-            raise PlacementError(f"replicas={list(self.replicas)} but the assignment uses "
-                                 f"{sorted(set(a.values()))}: a replicated plan maps every stage "
-                                 "to the first replica")
+        object.__setattr__(self, "replicas", _replica_groups(self.replicas))
+        first = self.replicas[:1] and _group(self.replicas[0])
+        if first and first != tuple(dict.fromkeys(a.values())):
+            raise PlacementError(
+                f"replicas={_plain(self.replicas)} but the assignment uses "
+                f"{list(dict.fromkeys(a.values()))}: a replicated plan's assignment is its first "
+                "copy's, on the first replica's devices in the order its stages reach them")
         if self.prediction is not None and not isinstance(self.prediction, Prediction):
             raise PlacementError(f"prediction={self.prediction!r:.60}: expected a Prediction")
 
@@ -141,10 +142,10 @@ class Plan:
             and set(assignment) == set(chain.names) else assignment
         check_assignment(chain, assignment, topology.devices)
         load = (batch, context_len, prompt_len, new_tokens)
-        pred = predict_replicated(chain, list(replicas), topology, *load) \
-            if replicas else predict(chain, assignment, topology, *load)
-        plan = cls(assignment, mode, objective, batch, context_len, tuple(replicas), pred,
-                   planner_s)
+        plan = cls(assignment, mode, objective, batch, context_len, replicas, None, planner_s)
+        pred = predict_replicated(chain, plan.replica_assignments(), topology, *load) \
+            if plan.replicas else predict(chain, assignment, topology, *load)
+        plan = replace(plan, prediction=pred)
         plan._check_memory(pred)
         return plan
 
@@ -175,13 +176,13 @@ class Plan:
         """
         devices = topology.devices if isinstance(topology, Topology) else list(topology)
         check_assignment(chain, self.assignment, devices)
-        for dev in self.replicas:
+        for dev in self.devices:
             if dev not in devices:
                 raise PlacementError(f"replica device {dev!r} is unknown: expected one of "
                                      f"{devices}")
         if isinstance(topology, Topology):
             self._check_memory(
-                predict_replicated(chain, list(self.replicas), topology, self.batch,
+                predict_replicated(chain, self.replica_assignments(), topology, self.batch,
                                    self.context_len) if self.replicas else
                 predict(chain, self.assignment, topology, self.batch, self.context_len))
         return self
@@ -189,8 +190,31 @@ class Plan:
     # --- reading ----------------------------------------------------------------------------
     @property
     def devices(self) -> list[str]:
-        """Devices in use, in the order the chain first reaches them (all replicas if any)."""
-        return list(self.replicas) or list(dict.fromkeys(self.assignment.values()))
+        """Devices in use, in the order the chain first reaches them (replica by replica)."""
+        return [d for r in self.replicas for d in _group(r)] or \
+            list(dict.fromkeys(self.assignment.values()))
+
+    @property
+    def devices_per_replica(self) -> int:
+        """Devices each replica's pipeline runs on (1: a full copy per device; 0: no
+        replicas)."""
+        return len(_group(self.replicas[0])) if self.replicas else 0
+
+    def replica_assignments(self) -> list[dict]:
+        """One assignment per replica (the first is ``assignment``); none for a plan that does
+        not replicate.
+
+        Examples
+        --------
+        >>> p = Plan({"embed": "a", "head": "b"}, "replicate", replicas=[("a", "b"), ("c", "d")])
+        >>> p.replica_assignments()[1]
+        {'embed': 'c', 'head': 'd'}
+        """
+        if not self.replicas:
+            return []
+        first = _group(self.replicas[0])
+        return [{s: _group(r)[first.index(d)] for s, d in self.assignment.items()}
+                for r in self.replicas]
 
     def segments(self) -> list[Segment]:
         """Runs of consecutive stages on one device, in chain order."""
@@ -225,7 +249,8 @@ class Plan:
         return {"format": _FORMAT, "version": 1, "mode": self.mode, "objective": self.objective,
                 "batch": self.batch, "context_len": self.context_len,
                 "stages": list(self.assignment), "assignment": dict(self.assignment),
-                "replicas": list(self.replicas), "prediction": pred, "planner_s": self.planner_s}
+                "replicas": _plain(self.replicas), "prediction": pred,
+                "planner_s": self.planner_s}
 
     @classmethod
     def from_dict(cls, data: dict, origin: str = "plan") -> "Plan":
@@ -316,7 +341,7 @@ class Plan:
     def _rows(self) -> list[tuple[str, ...]]:
         pred = self.prediction
         rows = []
-        segs = [Segment(d, tuple(self.assignment)) for d in self.replicas] or self.segments()
+        segs = [seg for a in self.replica_assignments() for seg in segments(a)] or self.segments()
         for seg in segs:
             mem = ""
             if pred is not None and seg.device in pred.memory:
@@ -330,7 +355,9 @@ class Plan:
         head = (f"{self.mode} plan (objective {self.objective}), batch {self.batch}, context "
                 f"{self.context_len}: {len(self.devices)} device(s)"
                 + (f", {len(self.replicas)} replicas" if self.replicas else
-                   f", {len(self.segments())} segment(s)"))
+                   f", {len(self.segments())} segment(s)")
+                + (f" of {len(self.segments())} segments each" if self.devices_per_replica > 1
+                   else ""))
         p = self.prediction
         if p is None:
             return head
@@ -365,6 +392,40 @@ class Plan:
         summary = "<br>".join(html.escape(s) for s in self._summary().split("\n"))
         return (f'<div class="tfnb-plan"><p>{summary}</p><table><thead><tr>{head}</tr></thead>'
                 f"<tbody>{body}</tbody></table></div>")
+
+
+def _group(replica) -> tuple[str, ...]:
+    """A replica's devices (one entry of ``Plan.replicas``)."""
+    return (replica,) if isinstance(replica, str) else replica
+
+
+def _plain(replicas) -> list:
+    """``Plan.replicas`` as JSON-ready lists."""
+    return [r if isinstance(r, str) else list(r) for r in replicas]
+
+
+def _replica_groups(replicas) -> tuple:
+    """``replicas`` checked and normalised: a tuple whose entries are device strings, or
+    tuples of two or more, all of one length, no device twice."""
+    bad = f"replicas={replicas!r:.120}: expected a list of devices (a full copy on each) or " \
+          "of equal-length device lists (a pipeline per copy)"
+    if isinstance(replicas, str) or not isinstance(replicas, (list, tuple)):
+        raise PlacementError(bad)
+    out = []
+    for r in replicas:
+        group = (r,) if isinstance(r, str) else r
+        if not isinstance(group, (list, tuple)) or not group or \
+                not all(isinstance(d, str) and d for d in group):
+            raise PlacementError(bad)
+        out.append(group[0] if len(group) == 1 else tuple(group))
+    if len({len(_group(r)) for r in out}) > 1:
+        raise PlacementError(bad)
+    seen = [d for r in out for d in _group(r)]
+    twice = next((d for d in seen if seen.count(d) > 1), None)
+    if twice is not None:
+        raise PlacementError(f"device {twice!r} is in two replicas: each copy needs its own "
+                             "devices")
+    return tuple(out)
 
 
 def _names_source(stages) -> str:

@@ -1,7 +1,10 @@
 """``plan(model, cluster, mode=...)``: four ways to put a model's stages on devices.
 
 - ``"replicate"``: a full copy on every device, the batch split across copies (what
-  ``tf.distribute.MirroredStrategy`` does); only when a copy fits every device.
+  ``tf.distribute.MirroredStrategy`` does). When a copy does not fit one device, each copy is
+  a pipeline over a group of consecutive devices, the fewest that hold it, cut as
+  ``"optimal"`` cuts it for the plan's objective (a hybrid plan: 2 replicas x 2 stages on 4
+  devices); at least two copies, devices left over stay idle.
 - ``"memory"``: Hugging Face Accelerate's ``infer_auto_device_map`` fill, the baseline: devices
   in order (accelerators first), each stage on the current device if it still fits
   (``used + need <= cap``), otherwise on to the next device, never back. Stages are never split
@@ -32,7 +35,8 @@ import warnings
 
 from tfnb.errors import PlacementError
 from tfnb.names import OBJECTIVES, PLANNERS, format_bytes, short_device
-from tfnb.placement.cost import Topology, check_load, check_requests, predict, stage_memory
+from tfnb.placement.cost import (Topology, check_load, check_requests, predict,
+                                 predict_replicated, stage_memory)
 from tfnb.placement import measure
 from tfnb.placement.optimal import TooLarge, exact_is_feasible, optimal_segments
 from tfnb.placement.plan import Plan
@@ -40,7 +44,8 @@ from tfnb.placement.plan import Plan
 BEAM = 16  # states kept per level when the exact search is too large (200 stages x 16 kinds: < 1 s)
 
 __all__ = ["plan", "memory_assignment", "greedy_assignment", "optimal_assignment",
-           "replicate_devices", "as_topology", "attended_context", "mean_attended"]
+           "replicate_devices", "replica_groups", "replicate_assignment", "as_topology",
+           "attended_context", "mean_attended"]
 
 
 def _chain(model_or_chain):
@@ -161,19 +166,87 @@ def _check_fits(chain, topo: Topology, batch: int, context_len: int) -> None:
             f"{format_bytes(needs[k] - topo.memory[big], 'MB')} short (a stage is never split)")
 
 
-def replicate_devices(chain, topo: Topology, batch: int = 1, context_len: int = 0) -> list[str]:
-    """Every device, once a full copy (with its share of the KV cache) fits each of them."""
-    share = math.ceil(batch / len(topo.devices))
+def _copy_short(chain, topo: Topology, share: int, context_len: int) -> str | None:
+    """Why a full copy with ``share`` sequences of KV cache does not fit some device, or None."""
     need = sum(stage_memory(chain, share, context_len))
     kv = sum(chain.kv_bytes(share, context_len).values())
     for dev, cap in zip(topo.devices, topo.memory):
         if need > cap:
-            raise PlacementError(
-                f"replicate: a full copy needs {format_bytes(need - kv, 'MB')} + "
-                f"{format_bytes(kv, 'MB')} KV (batch share {share}), device {dev!r} has "
-                f"{format_bytes(cap, 'MB')}: {format_bytes(need - cap, 'MB')} short; "
-                "mode='optimal' splits the model instead")
+            return (f"a full copy needs {format_bytes(need - kv, 'MB')} + "
+                    f"{format_bytes(kv, 'MB')} KV (batch share {share}), device {dev!r} has "
+                    f"{format_bytes(cap, 'MB')}: {format_bytes(need - cap, 'MB')} short")
+    return None
+
+
+def replicate_devices(chain, topo: Topology, batch: int = 1, context_len: int = 0) -> list[str]:
+    """Every device, once a full copy (with its share of the KV cache) fits each of them."""
+    short = _copy_short(chain, topo, math.ceil(batch / len(topo.devices)), context_len)
+    if short:
+        raise PlacementError(f"replicate: {short}; mode='optimal' splits the model instead")
     return list(topo.devices)
+
+
+def replica_groups(chain, topo: Topology, batch: int = 1,
+                   context_len: int = 0) -> list[tuple[str, ...]]:
+    """The devices of each copy of a replicated plan: every device alone when a full copy fits
+    each (:func:`replicate_devices`), else consecutive groups of the fewest devices that hold a
+    copy between them (at least two groups; devices left over stay out).
+
+    Examples
+    --------
+    >>> from tfnb.models import tiny
+    >>> chain = tiny("llama").chain
+    >>> half = sum(s.param_bytes for s in chain) * 0.6
+    >>> replica_groups(chain, Topology(list("abcde"), memory=half), context_len=0)
+    [('a', 'b'), ('c', 'd')]
+    """
+    n = len(topo.devices)
+    short = _copy_short(chain, topo, math.ceil(batch / n), context_len)
+    if not short:
+        return [(d,) for d in topo.devices]
+    for k in range(2, n // 2 + 1):
+        groups = [topo.devices[i * k:(i + 1) * k] for i in range(n // k)]
+        share = math.ceil(batch / len(groups))
+        try:
+            for g in groups:
+                _check_fits(chain, topo.subset(g), share, context_len)
+                optimal_assignment(chain, topo.subset(g), share, context_len)
+        except PlacementError:
+            continue
+        return groups
+    groups = f", nor does any group of up to {n // 2} consecutive devices of the {n}" \
+        if n >= 4 else ""
+    raise PlacementError(f"replicate: {short}{groups} (a replicated plan makes 2 copies at "
+                         "least); mode='optimal' splits the model instead")
+
+
+def replicate_assignment(chain, topo: Topology, groups, batch: int = 1, context_len: int = 0,
+                         objective: str = "latency") -> tuple[dict, tuple]:
+    """``(assignment, replicas)`` of a replicated plan over ``groups``
+    (:func:`replica_groups`). A group of one device holds its copy whole. Larger groups run one
+    cut, each device in the place of the first group's device at its position: the
+    :func:`optimal_assignment` of some group (its share of the batch, ``objective``), of those
+    that fit every group the one predicted best over all of them."""
+    share = math.ceil(batch / len(groups))
+    if len(groups[0]) == 1:
+        return dict.fromkeys(chain.names, groups[0][0]), tuple(g[0] for g in groups)
+    best = None
+    for g in groups:
+        cut = optimal_assignment(chain, topo.subset(g), share, context_len, objective)
+        used = [g.index(d) for d in dict.fromkeys(cut[s] for s in chain.names)]
+        replicas = tuple(tuple(h[i] for i in used) for h in groups)
+        copies = [{s: h[g.index(d)] for s, d in cut.items()} for h in groups]
+        p = predict_replicated(chain, copies, topo, batch, context_len)
+        if p.over_memory():
+            continue
+        value = p.latency_s if objective == "latency" else -p.throughput
+        if best is None or value < best[0]:
+            best = (value, copies[0], replicas)
+    if best is None:
+        raise PlacementError(f"replicate: no group's cut fits every group of {len(groups[0])} "
+                             "devices (their memory differs); mode='optimal' splits the model "
+                             "instead")
+    return best[1], best[2]
 
 
 def memory_assignment(chain, topo: Topology, batch: int = 1, context_len: int = 0) -> dict:
@@ -306,7 +379,8 @@ def plan(model_or_chain, cluster_or_topology, mode: str = "optimal", objective: 
     model_or_chain : a ``Model`` (its ``.chain`` is used) or a ``LayerChain``
     cluster_or_topology : a connected ``Cluster`` (measured once, cached), a ``Topology`` or a
         list of device strings
-    mode : ``"optimal"``, ``"greedy"``, ``"memory"`` or ``"replicate"``
+    mode : ``"optimal"``, ``"greedy"``, ``"memory"`` or ``"replicate"`` (a full copy per device,
+        or per group of devices when one cannot hold it: :func:`replica_groups`)
     objective : ``"latency"`` (seconds per token) or ``"throughput"`` (tokens per second of the
         pipeline: its busiest resource and its lanes' round)
     batch, context_len : the load the memory caps (KV cache) and costs are computed for;
@@ -335,17 +409,21 @@ def plan(model_or_chain, cluster_or_topology, mode: str = "optimal", objective: 
     chain = _chain(model_or_chain)
     batch, context_len = check_load(batch, context_len)
     prompt_len, new_tokens = check_requests(prompt_len, new_tokens)
-    # a replicated plan splits the batch over the copies: each copy's steps run at its share
-    copies = devices or getattr(cluster_or_topology, "devices", None) or [None]
-    share = math.ceil(batch / len(copies)) if mode == "replicate" else batch
+    # a replicated plan splits the batch over the copies: each copy's steps run at its share,
+    # so the copies (which memory alone decides) are found before any stage is timed
+    share, groups = batch, None
+    if mode == "replicate":
+        bare = as_topology(cluster_or_topology, None, devices=devices).with_max_memory(max_memory)
+        groups = replica_groups(chain, bare, batch, context_len)
+        share = math.ceil(batch / len(groups))
     topo = as_topology(cluster_or_topology, model_or_chain if calibrate else None, share,
                        context_len, prompt_len, devices,
                        new_tokens).with_max_memory(max_memory)
     start = time.perf_counter()
     replicas = ()
     if mode == "replicate":
-        replicas = tuple(replicate_devices(chain, topo, batch, context_len))
-        assignment = dict.fromkeys(chain.names, replicas[0])
+        assignment, replicas = replicate_assignment(chain, topo, groups, batch, context_len,
+                                                    objective)
     else:
         _check_fits(chain, topo, batch, context_len)
         if mode == "memory":

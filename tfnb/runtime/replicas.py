@@ -2,6 +2,8 @@
 
 What ``tf.distribute.MirroredStrategy`` does for training, for serving: every replica device
 holds the whole model, so independent requests run on different workers at the same time. A
+copy too large for one device runs as a pipeline over a group of them (a hybrid plan: each
+replica is then a split placement, its stages overlapping as any split placement's do). A
 request (one ``generate`` call) runs on one replica from start to end; concurrent callers
 (threads, background cells) are spread over the replicas by the number of requests each has in
 flight, and queue on a replica only when every replica is busy.
@@ -44,7 +46,7 @@ class ReplicatedModel:
     replicas : list of PlacedModel
         The replicas still serving, in device order.
     served : dict
-        Requests finished per replica device.
+        Requests finished per replica, keyed by its first device.
     plan : tfnb.Plan or None
         The replicated plan this placement applied.
     """
@@ -62,11 +64,12 @@ class ReplicatedModel:
 
     @property
     def devices(self) -> list[str]:
-        return [r.devices[0] for r in self.replicas]
+        """The devices of the replicas still serving, replica by replica."""
+        return [d for r in self.replicas for d in r.devices]
 
     @property
     def in_flight(self) -> dict[str, int]:
-        """Requests running or queued per replica device now."""
+        """Requests running or queued per replica (keyed by its first device) now."""
         with self._lock:
             return {r.devices[0]: self._in_flight[id(r)] for r in self.replicas}
 
@@ -106,7 +109,7 @@ class ReplicatedModel:
     def _drop(self, replica: PlacedModel, why) -> None:
         if replica in self.replicas and len(self.replicas) > 1:
             self.replicas.remove(replica)
-            warnings.warn(f"replica on {replica.devices[0]} dropped: {why}; "
+            warnings.warn(f"replica on {' + '.join(replica.devices)} dropped: {why}; "
                           f"{len(self.replicas)} replica(s) keep serving", ReplicaLostWarning,
                           stacklevel=4)
 
