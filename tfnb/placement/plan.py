@@ -341,14 +341,15 @@ class Plan:
     def _rows(self) -> list[tuple[str, ...]]:
         pred = self.prediction
         rows = []
-        segs = [seg for a in self.replica_assignments() for seg in segments(a)] or self.segments()
-        for seg in segs:
+        segs = [(f" (replica {i})", seg) for i, a in enumerate(self.replica_assignments())
+                for seg in segments(a)] or [("", seg) for seg in self.segments()]
+        for copy, seg in segs:
             mem = ""
             if pred is not None and seg.device in pred.memory:
                 cap = pred.capacity.get(seg.device, math.inf)
                 mem = f"{pred.memory[seg.device] / 1e6:,.1f} / " + (
                     "inf" if math.isinf(cap) else f"{cap / 1e6:,.0f} MB")
-            rows.append((short_device(seg.device), format_span(seg.stages), mem))
+            rows.append((short_device(seg.device) + copy, format_span(seg.stages), mem))
         return rows
 
     def _summary(self) -> str:
