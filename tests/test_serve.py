@@ -69,11 +69,19 @@ def test_streaming_gives_the_whole_answer_in_pieces(placements):
         chunks = list(stream)
         text = "".join(c.choices[0].delta.content or "" for c in chunks)
         assert text == placed.chat("hello", max_new_tokens=24)
-        assert len(chunks) > 3 and chunks[-1].choices[0].finish_reason in ("stop", "length")
+        ids = placed.generate_ids(placed.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hello"}]), max_new_tokens=24)
+        reason = "stop" if ids[-1] in placed.eos_ids else "length"
+        assert len(chunks) > 3 and chunks[-1].choices[0].finish_reason == reason
         done = client.completions.create(model=server.model, prompt="the cat", temperature=0,
                                          max_tokens=8)
         assert done.choices[0].text == placed.generate("the cat", max_new_tokens=8)
-        assert done.usage.completion_tokens == 8
+        assert done.usage.completion_tokens == 8 and done.choices[0].finish_reason == "length"
+        stop = done.choices[0].text[3:5]  # a stop string cuts the text there, and says so
+        cut = client.completions.create(model=server.model, prompt="the cat", temperature=0,
+                                        max_tokens=8, stop=[stop])
+        assert cut.choices[0].text == done.choices[0].text[:done.choices[0].text.index(stop)]
+        assert cut.choices[0].finish_reason == "stop"
 
 
 def test_the_apis_optional_forms_text_parts_nulls_and_streamed_usage(placements):
@@ -160,6 +168,54 @@ def test_bad_requests_get_the_apis_json_error(placements, body, status, word):
         assert httpx.get(server.url + "/nope", timeout=5).status_code == 404
 
 
+def test_more_bad_requests_each_get_one_json_error_and_the_server_keeps_serving(placements):
+    """Types and ranges of every field the endpoint reads, bodies that are not a JSON object
+    (nested past Python's recursion limit, over the size limit), text that is not valid
+    Unicode, routes and methods: each a 4xx with the API's error object."""
+    hi = [{"role": "user", "content": "hi"}]
+    with serve(placements["split"], warmup=False) as server:
+        chat, name = server.url + "/chat/completions", server.model
+        cases = [
+            (chat, b"[" * 100_000, 400, "nested too deeply"),
+            (chat, b"[1, 2]", 400, "is list: expected an object"),
+            (chat, b"{" + b" " * (9 << 20) + b"}", 413, "over 8 MB"),
+            (chat, b'{"model": "MODEL", "messages": [{"role": "user", "content": "a\\ud800"}]}',
+             400, "valid Unicode"),
+            (chat, {"messages": hi}, 404, "model None"),
+            (chat, {"model": "MODEL"}, 400, "messages=None"),
+            (chat, {"model": "MODEL", "messages": []}, 400, "messages=[]"),
+            (chat, {"model": "MODEL", "messages": hi, "max_tokens": True}, 400, "max_tokens=True"),
+            (chat, {"model": "MODEL", "messages": hi, "max_tokens": 2.5}, 400, "max_tokens=2.5"),
+            (chat, {"model": "MODEL", "messages": hi, "max_tokens": "8"}, 400, "max_tokens='8'"),
+            (chat, {"model": "MODEL", "messages": hi, "stream": "no"}, 400, "stream='no'"),
+            (chat, {"model": "MODEL", "messages": hi, "stream": 1}, 400, "stream=1"),
+            (chat, {"model": "MODEL", "messages": hi, "stop": list("abcde")}, 400, "stop=["),
+            (chat, {"model": "MODEL", "messages": hi, "stop": 0}, 400, "stop=0"),
+            (chat, {"model": "MODEL", "messages": hi, "stop": [""]}, 400, "stop=['']"),
+            (chat, {"model": "MODEL", "messages": hi, "temperature": 0, "top_p": 5}, 400,
+             "top_p=5"),
+            (chat, {"model": "MODEL", "messages": hi, "temperature": 0, "top_p": "x"}, 400,
+             "top_p='x'"),
+            (chat, {"model": "MODEL", "messages": hi, "seed": "x"}, 400, "seed='x'"),
+            (server.url + "/completions", {"model": "MODEL", "prompt": ["a", "b"]}, 400,
+             "prompt=['a', 'b']"),
+            (server.url + "/completions", {"model": "MODEL", "prompt": 7}, 400, "prompt=7"),
+        ]
+        for url, body, status, word in cases:
+            if isinstance(body, dict) and body.get("model") == "MODEL":
+                body = {**body, "model": name}
+            kw = {"content": body.replace(b"MODEL", name.encode())} if isinstance(body, bytes) \
+                else {"json": body}
+            r = httpx.post(url, timeout=30, **kw)
+            assert r.status_code == status and word in r.json()["error"]["message"], (body, r.text)
+        r = httpx.get(chat, timeout=5)
+        assert r.status_code == 405 and "GET is not allowed" in r.json()["error"]["message"]
+        r = httpx.post(server.url + "/embeddings", timeout=5, json={})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+        assert _ask(_client(server), name, "hi") == placements["split"].chat("hi",
+                                                                              max_new_tokens=16)
+
+
 def test_a_key_is_checked_on_every_request_and_needed_beyond_loopback(placements):
     placed = placements["split"]
     with pytest.raises(ServeError, match="api_key"):
@@ -173,7 +229,10 @@ def test_a_key_is_checked_on_every_request_and_needed_beyond_loopback(placements
         assert _ask(_client(server, key="s3cret"), server.model, "hi") == placed.chat("hi", max_new_tokens=16)
         models = _client(server, key="s3cret").models.list()
         assert [m.id for m in models.data] == [server.model]
-        assert httpx.get(server.url.removesuffix("/v1") + "/health", timeout=5).json()["status"] == "ok"
+        health = server.url.removesuffix("/v1") + "/health"
+        assert httpx.get(health, timeout=5).status_code == 401
+        assert httpx.get(health, timeout=5, headers={"Authorization": "Bearer s3cret"}).json()[
+            "status"] == "ok"
 
 
 def _health(server):

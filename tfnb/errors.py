@@ -45,6 +45,11 @@ class GenerateError(TfnbError, ValueError):
     """Bad arguments to generate (prompt, token counts, sampling settings)."""
 
 
+class GenerateStalled(GenerateError):
+    """A checked request that could not run: its batch made no progress, or an interrupted
+    call still holds the model (a fault of the serving side, not of the request)."""
+
+
 class ProfileError(TfnbError):
     """A profile cannot be captured or read: not connected, still capturing, bad arguments."""
 

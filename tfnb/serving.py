@@ -32,11 +32,12 @@ import uuid
 import warnings
 
 from tfnb.cluster.connect import is_loopback
-from tfnb.errors import GenerateError, TfnbError, WorkerLostError
+from tfnb.errors import GenerateError, GenerateStalled, TfnbError, WorkerLostError
 
 __all__ = ["serve", "Server", "ServeError", "ExposedEndpointWarning"]
 
 START_TIMEOUT_S = 10.0
+MAX_BODY_BYTES = 8 << 20  # a request body beyond this gets a 413 (a prompt is far smaller)
 
 
 class ServeError(TfnbError, ValueError):
@@ -133,23 +134,50 @@ def _options(body: dict, max_context: int) -> dict:
             or not 0 <= temperature <= 2:
         raise _ApiError(400, f"temperature={temperature!r}: expected a number from 0 to 2",
                         param="temperature")
-    options = {"max_new_tokens": n, "stop": body.get("stop") or None}
+    top_p = _get(body, "top_p", 1.0)
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise _ApiError(400, f"top_p={top_p!r}: expected a number above 0, at most 1",
+                        param="top_p")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise _ApiError(400, f"seed={seed!r:.40}: expected an integer", param="seed")
+    options = {"max_new_tokens": n, "stop": _stop(body.get("stop"))}
     if temperature > 0:  # 0 means greedy, as the API documents
-        options.update(do_sample=True, temperature=float(temperature),
-                       top_p=_get(body, "top_p", 1.0), seed=body.get("seed"))
+        options.update(do_sample=True, temperature=float(temperature), top_p=float(top_p),
+                       seed=seed)
     return options
+
+
+def _stop(stop) -> list[str] | None:
+    """The API's ``stop``: null, a string, or a list of up to 4 strings."""
+    stops = [stop] if isinstance(stop, str) else stop
+    if stop is None or stops == []:
+        return None
+    if not isinstance(stops, list) or not 1 <= len(stops) <= 4 or not all(
+            isinstance(s, str) and s and _encodable(s) for s in stops):
+        raise _ApiError(400, f"stop={stop!r:.80}: expected a non-empty string or a list of up "
+                             "to 4 of them", param="stop")
+    return stops
+
+
+def _encodable(text: str) -> bool:
+    """Whether ``text`` is valid Unicode (JSON's escapes can carry a lone surrogate, which no
+    tokenizer takes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _text(content) -> str | None:
     """A message's content as text: a str, or a list of ``{"type": "text", "text": str}`` parts
     (one per line, as vLLM joins them); None for anything else."""
-    if isinstance(content, str):
-        return content
     if isinstance(content, list) and all(
             isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
             for p in content):
-        return "\n".join(p["text"] for p in content)
-    return None
+        content = "\n".join(p["text"] for p in content)
+    return content if isinstance(content, str) and _encodable(content) else None
 
 
 def _chat_prompt(tokenizer, messages: list) -> str:
@@ -166,7 +194,7 @@ def _prompt(body: dict) -> str:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
-    if not isinstance(prompt, str) or not prompt:
+    if not isinstance(prompt, str) or not prompt or not _encodable(prompt):
         raise _ApiError(400, f"prompt={body.get('prompt')!r:.80}: expected a non-empty str (or "
                              "a list of one: this endpoint returns one choice per request)",
                         param="prompt")
@@ -179,8 +207,8 @@ def _messages(body: dict) -> list:
             isinstance(m, dict) and isinstance(m.get("role"), str)
             and _text(m.get("content")) is not None for m in messages):
         raise _ApiError(400, f"messages={messages!r:.80}: expected a non-empty list of "
-                        "{'role': str, 'content': str or a list of text parts}",
-                        param="messages")
+                        "{'role': str, 'content': str or a list of text parts} (valid "
+                        "Unicode)", param="messages")
     return [{"role": m["role"], "content": _text(m["content"])} for m in messages]
 
 
@@ -229,10 +257,17 @@ class _Endpoint:
 
     async def _body(self, request) -> dict:
         self._authorize(request)
+        raw = bytearray()
+        async for part in request.stream():
+            raw += part
+            if len(raw) > MAX_BODY_BYTES:
+                raise _ApiError(413, f"the request body is over {MAX_BODY_BYTES >> 20} MB: "
+                                     "expected a smaller request", code="body_too_large")
         try:
-            body = json.loads(await request.body())
-        except (ValueError, UnicodeDecodeError) as e:
-            raise _ApiError(400, f"the request body is not JSON ({e})") from None
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            what = "nested too deeply" if isinstance(e, RecursionError) else e
+            raise _ApiError(400, f"the request body is not JSON ({what})") from None
         if not isinstance(body, dict):
             raise _ApiError(400, f"the request body is {type(body).__name__}: expected an object")
         if body.get("model") != self.name:
@@ -244,6 +279,10 @@ class _Endpoint:
     async def health(self, request):
         from starlette.responses import JSONResponse
 
+        try:
+            self._authorize(request)
+        except _ApiError as e:
+            return self._error(e)
         alive = [r for r in self.model.replicas if r.lost is None]
         errors = [e for e in (r.scheduler.warm_error() for r in alive) if e]
         return JSONResponse({"status": "ok" if alive else "lost", "replicas": len(alive),
@@ -274,7 +313,11 @@ class _Endpoint:
             body = await self._body(request)
             options = _options(body, self.model.config.max_context)
             prompt = _chat_prompt(self.tokenizer, _messages(body)) if chat else _prompt(body)
-            if body.get("stream"):
+            stream = _get(body, "stream", False)
+            if not isinstance(stream, bool):
+                raise _ApiError(400, f"stream={stream!r:.40}: expected true or false",
+                                param="stream")
+            if stream:
                 usage = _get(body, "stream_options", {})
                 if not isinstance(usage, dict):
                     raise _ApiError(400, f"stream_options={usage!r:.60}: expected an object "
@@ -288,6 +331,8 @@ class _Endpoint:
             return await run_in_threadpool(self._whole, prompt, options, chat)
         except _ApiError as e:
             return self._error(e)
+        except GenerateStalled as e:  # the request was fine; its batch could not run
+            return self._error(_ApiError(503, str(e), "server_error"))
         except GenerateError as e:
             return self._error(_ApiError(400, str(e)))
         except WorkerLostError as e:
@@ -315,6 +360,7 @@ class _Endpoint:
     def _sse(self, chunks, events, chat: bool, usage_of: str | None = None):
         """Server-sent events of a streamed generation; with ``usage_of`` (the prompt), a last
         chunk with no choices carries the usage, as ``stream_options.include_usage`` asks."""
+        import anyio
         from starlette.concurrency import run_in_threadpool
         from starlette.responses import StreamingResponse
 
@@ -357,7 +403,10 @@ class _Endpoint:
             except WorkerLostError as e:
                 yield f"data: {json.dumps(_lost(e).body())}\n\n"
             finally:  # also when the client went away: the generation ends, its replica frees
-                await run_in_threadpool(_close, chunks)
+                # its rows. Shielded: a client that left cancels this task, and an unshielded
+                # await would raise at once, leaving the rows to the garbage collector.
+                with anyio.CancelScope(shield=True):
+                    await run_in_threadpool(_close, chunks)
 
         return StreamingResponse(stream(), media_type="text/event-stream")
 
@@ -388,7 +437,7 @@ def _finish(events: list) -> tuple[str, int]:
     if not events:
         return "length", 0
     last = events[-1]
-    stopped = bool(last.rows_finished and last.rows_finished[0])
+    stopped = bool(last.rows_stopped and last.rows_stopped[0])
     return ("stop" if stopped else "length"), last.n_tokens
 
 
@@ -505,6 +554,8 @@ def serve(placed, host: str = "127.0.0.1", port: int = 0, api_key: str | None = 
         time.sleep(0.02)
     if not server.started:
         server.should_exit = True
+        thread.join(START_TIMEOUT_S)
+        sock.close()
         if warmup:
             replicated.cancel_warmup()
         raise ServeError(f"the endpoint did not start within {START_TIMEOUT_S} s")

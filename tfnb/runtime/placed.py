@@ -28,7 +28,7 @@ from collections import OrderedDict
 import numpy as np
 import tensorflow as tf
 
-from tfnb.errors import GenerateError, PlacementError, WorkerLostError
+from tfnb.errors import GenerateError, GenerateStalled, PlacementError, WorkerLostError
 from tfnb.models.chain import segments, stage_names
 from tfnb.models.packed import PackedTensor
 from tfnb.runtime.devices import resolve_assignment
@@ -316,7 +316,7 @@ class PlacedModel:
         thread.join(self.timeout)
         if thread.is_alive():
             self._inflight = thread
-            raise GenerateError(f"an interrupted call is still running on the workers after "
+            raise GenerateStalled(f"an interrupted call is still running on the workers after "
                                 f"{self.timeout} s; try again later, or place the model again")
 
     # ----- public API ---------------------------------------------------------------------

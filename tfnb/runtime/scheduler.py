@@ -86,7 +86,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tfnb.errors import GenerateError, WorkerLostError
+from tfnb.errors import GenerateStalled, WorkerLostError
 from tfnb.runtime.requests import bucket
 
 __all__ = ["Scheduler", "Lane", "Ticket", "Seq", "CHUNK_STEPS", "MIN_SLOTS", "MAX_ROWS",
@@ -186,7 +186,7 @@ class Ticket:
         self.seqs[i].done = True
 
     def next(self, timeout: float | None):
-        """The next event ``(new_ids, done)``; raises the lane's error, or GenerateError when
+        """The next event ``(new_ids, done)``; raises the lane's error, or GenerateStalled when
         its lane made no call for ``timeout`` s (its calls have their own deadlines, so this
         only guards against a driver that stopped)."""
         calls, since = -1, time.monotonic()
@@ -199,7 +199,7 @@ class Ticket:
                 if self.lane is not None and self.lane.calls != calls:
                     calls, since = self.lane.calls, time.monotonic()
                 if timeout is not None and time.monotonic() - since > timeout:
-                    raise GenerateError(f"no tokens for this request within {timeout:.0f} s, "
+                    raise GenerateStalled(f"no tokens for this request within {timeout:.0f} s, "
                                         "and its batch made no progress: try again, or place "
                                         "the model again") from None
         if isinstance(event, BaseException):

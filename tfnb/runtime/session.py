@@ -28,6 +28,8 @@ class ChunkEvent:
     elapsed_s: float
     finished: bool
     rows_finished: list[bool] = field(default_factory=list)
+    rows_stopped: list[bool] = field(default_factory=list)  # ended on EOS or a stop string,
+    # not on max_new_tokens (OpenAI's finish_reason "stop" against "length")
 
     @property
     def tokens_per_s(self) -> float:
@@ -56,6 +58,7 @@ class GenerateSession:
         self.ids: list[list[int]] = [[] for _ in range(n)]
         self.cut: list[str | None] = [None] * n  # text before the stop string, once found
         self.finished = [False] * n
+        self.stopped = [False] * n  # ended on EOS or a stop string
         self.stats: dict | None = None
 
     # ----- the event loop -----------------------------------------------------------------
@@ -83,6 +86,7 @@ class GenerateSession:
                     new_ids[row] += ids
                     if ended[row]:
                         self.finished[row] = True
+                        self.stopped[row] = bool(ids) and ids[-1] in pm.eos_ids
                     if ids and self.stops:
                         self._check_stops(row, len(self.ids[row]) - len(ids))
                         if self.finished[row]:
@@ -95,7 +99,7 @@ class GenerateSession:
                     new_text=self._texts() if (self.text and pm.tokenizer is not None) else None,
                     n_tokens=sum(len(r) for r in self.ids),
                     elapsed_s=time.perf_counter() - start, finished=over,
-                    rows_finished=list(self.finished))
+                    rows_finished=list(self.finished), rows_stopped=list(self.stopped))
                 index += 1
                 new_ids = [[] for _ in self.rows]
                 if self.on_chunk is not None:
@@ -118,7 +122,7 @@ class GenerateSession:
         if not hits:
             return
         self.cut[row] = text[:min(hits)]
-        self.finished[row] = True
+        self.finished[row] = self.stopped[row] = True
         for end in range(first_new + 1, len(self.ids[row]) + 1):  # keep ids up to the stop
             if any(s in tok.decode(self.ids[row][:end]) for s in self.stops):
                 del self.ids[row][end:]
