@@ -73,6 +73,22 @@ def test_a_request_joins_and_leaves_while_a_stream_is_open(single):
     assert lane.shifts > shifts  # the long prompt needed more slots before the stream's slot
 
 
+@pytest.mark.parametrize("layout", ["one device", "split"])
+def test_a_prompt_whose_bucket_would_pass_the_context_still_makes_every_token(cluster, model,
+                                                                               layout):
+    """130 prompt tokens and 120 new ones fit the tiny model's 256-token context, but the
+    prompt's bucket (192) and the new tokens do not: the prompt is padded less instead. A lane
+    that kept the bucket ran out of cache slots 64 tokens in and looped on empty calls (one
+    device) or failed (split), and every request behind it waited."""
+    devices = cluster.devices[:1] if layout == "one device" else cluster.devices
+    placed = tfnb.place(model, devices, cluster)
+    placed.eos_ids = ()
+    prompt = [5 + i % 80 for i in range(130)]
+    got = concurrently(lambda n: placed.generate_ids(prompt, max_new_tokens=n), [120])
+    assert len(got[120]) == 120, got
+    assert got[120][:8] == placed.generate_ids(prompt, max_new_tokens=8)
+
+
 def test_mixed_sampling_in_one_batch(single):
     """A sampled row is reproducible per seed whatever else is in the batch; greedy rows next
     to it stay greedy."""

@@ -114,3 +114,31 @@ def test_a_request_keeps_its_tries_when_its_first_replica_is_dropped(own_workers
         busy.close()
         own_workers.restart(1)
         cluster.reconnect()
+
+
+def test_a_request_whose_chunks_reached_its_caller_fails_instead_of_running_again(own_workers,
+                                                                                    setup):
+    """A retry on the other replica would hand the caller's ``on_chunk`` the same tokens a
+    second time: once a chunk reached it, a lost replica fails the request instead."""
+    cluster, model, placed, expected = setup
+    for p in PROMPTS[:2]:
+        placed.generate_ids(p, max_new_tokens=24)
+    seen, lost = [], []
+    eos, placed.eos_ids = placed.eos_ids, ()  # the request runs long after its first chunk
+
+    def on_chunk(event):
+        seen.append(event.index)
+        if not lost:  # the first chunk is out: its replica's worker dies
+            lost.append(next(i for i, d in enumerate(cluster.devices) if placed.in_flight[d]))
+            own_workers.kill(lost[0])
+
+    try:
+        with pytest.warns(ReplicaLostWarning):
+            with pytest.raises(WorkerLostError):
+                placed.generate_ids(PROMPTS[3], max_new_tokens=200, chunk_tokens=4,
+                                    on_chunk=on_chunk)
+        assert seen == sorted(set(seen)) and seen[0] == 0, seen  # no chunk handed over twice
+    finally:
+        placed.eos_ids = eos
+        own_workers.restart(lost[0] if lost else 1)
+        cluster.reconnect()

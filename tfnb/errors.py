@@ -26,7 +26,11 @@ class WorkerLostError(ClusterError):
 
     ``confirmed`` is False when TensorFlow reported a lost connection but every worker the call
     used still answers (another worker of the cluster went away): that state is not lost.
+    ``reached_caller`` is True when the generate call it ended had already handed some of its
+    output to its caller (a chunk event), so running it again elsewhere would repeat that.
     """
+
+    reached_caller = False
 
     def __init__(self, message: str, *, confirmed: bool = True):
         super().__init__(message)

@@ -503,8 +503,9 @@ def predict_replicated(chain, replicas, topology: Topology, batch: int = 1,
     Each copy gets ``ceil(batch / len(replicas))`` sequences (the last ones fewer) and is
     predicted as :func:`predict` predicts it; latency is the slowest copy's step, throughput
     (and the decode steps' alone) the sum of the copies', memory each device's, and the
-    bottleneck the slowest copy's. ``stage_s`` and ``prefill_s`` are the first copy's;
-    ``lanes`` counts every copy's.
+    bottleneck the slowest copy's, as are ``lanes`` and ``lane_s`` (each copy's lanes go round
+    its own devices only, so its limit is its own). ``stage_s`` and ``prefill_s`` are the first
+    copy's.
     """
     batch, context_len = check_load(batch, context_len)
     prompt_len, new_tokens = check_requests(prompt_len, new_tokens)
@@ -523,9 +524,8 @@ def predict_replicated(chain, replicas, topology: Topology, batch: int = 1,
             memory[d] = memory.get(d, 0) + stage.param_bytes
             capacity[d] = float(topology.memory[topology.index(d)])
     slowest = max(preds, key=lambda p: p.latency_s)
-    lanes = sum(p.lanes for p in preds)
     crossing = sum(p.bytes_per_token * s for p, s in zip(preds, shares)) / sum(shares)
     return Prediction(slowest.latency_s, sum(p.throughput for p in preds), crossing, memory,
                       capacity, slowest.bottleneck, slowest.bottleneck_s, preds[0].stage_s,
                       sum(p.decode_throughput for p in preds), prompt_len, new_tokens,
-                      preds[0].prefill_s, lanes, slowest.latency_s / lanes)
+                      preds[0].prefill_s, slowest.lanes, slowest.lane_s)

@@ -291,7 +291,7 @@ class PlacedModel:
                 out = call_with_deadline(_fetched(fn), args, timeout=timeout,
                                          devices=self.devices,
                                          what=what + (" (compiling)" if first else ""),
-                                         on_start=self._started)
+                                         on_start=self._started if lock is None else None)
                 self._warm[warm_key] = fn
                 return out
             except WorkerLostError as e:

@@ -11,9 +11,10 @@ flight, and queue on a replica only when every replica is busy.
 Each replica is registered with the cluster on its own, so a worker restart marks only the
 replicas it held as lost. A replica whose worker is lost is dropped with a
 :class:`ReplicaLostWarning` and the others keep serving. A request that was running on it is
-retried on another replica when it returns its result at the end (nothing of it reached the
-caller yet), with one try per replica and one more; a stream fails with ``WorkerLostError``,
-since part of its text may have been shown. With no replica left, a request fails with
+retried on another replica when nothing of it reached the caller yet (it returns its result at
+the end, and no chunk event had been handed to an ``on_chunk`` callback), with one try per
+replica and one more; otherwise, and for a stream, it fails with ``WorkerLostError``, since
+part of its output may have been shown. With no replica left, a request fails with
 ``WorkerLostError``.
 
 Examples
@@ -142,7 +143,8 @@ class ReplicatedModel:
                 result = getattr(replica, method)(prompts, **options)
             except WorkerLostError as e:
                 self._done(replica, e)
-                if attempt == tries - 1 or not any(r.lost is None for r in self.replicas):
+                if attempt == tries - 1 or e.reached_caller or \
+                        not any(r.lost is None for r in self.replicas):
                     raise
                 continue
             except BaseException as e:

@@ -136,11 +136,15 @@ class Ticket:
     ``"cancelled"`` or ``"error"`` once its lane let it go: what :meth:`Scheduler.status`
     reads."""
 
-    def __init__(self, rows: list[list[int]], max_new: int, sampling, chunk: int):
+    def __init__(self, rows: list[list[int]], max_new: int, sampling, chunk: int,
+                 max_context: int | None = None):
         self.id = next(_IDS)
         self.seqs = [Seq(list(r), max_new, chunk) for r in rows]
         self.max_new = max_new
-        self.P = bucket(max(len(r) for r in rows), 16)
+        # the prompt's bucket, but never so long that its tokens and the new ones pass the
+        # context (which caps the caches): a bucket may round a long prompt past that
+        self.P = bucket(max(len(r) for r in rows), 16,
+                        maximum=None if max_context is None else max_context - max_new)
         self.need = self.P + max_new  # slots from the prompt's start to the last token
         mode_floats = 0.0 if sampling.mode == "greedy" else sampling.temperature
         self.mode = sampling.mode
@@ -288,7 +292,8 @@ class Lane:
                 lane = ref()
                 if lane is None:
                     return
-                if not lane.pending and not lane.busy_rows() and not lane.warming:
+                if not lane.pending and not lane.busy_rows() and not lane.warming and \
+                        all(o is None for o in lane.owners):  # ended rows are retired first
                     if time.monotonic() - idle_since > IDLE_EXIT_S:
                         lane.thread = None
                         return
@@ -346,7 +351,13 @@ class Lane:
                 continue
             if self.pm.lost:
                 raise WorkerLostError(self.pm.lost)
-            if not self._make_room(ticket):
+            try:
+                room = self._make_room(ticket)
+            except BaseException:
+                with self.cond:  # it fails with the lane's error, not stays first in the queue
+                    self.joining = self.pending.popleft()
+                raise
+            if not room:
                 return  # it waits for busy rows to finish (first come, first served)
             with self.cond:  # counted in load() until it holds rows; a failing prefill fails it
                 self.joining = self.pending.popleft()
@@ -645,7 +656,7 @@ class Scheduler:
 
     def submit(self, rows: list[list[int]], max_new: int, sampling, chunk: int) -> Ticket:
         """Queue a request on the least loaded lane and make sure its driver runs."""
-        ticket = Ticket(rows, max_new, sampling, chunk)
+        ticket = Ticket(rows, max_new, sampling, chunk, self.pm.config.max_context)
         with self.cond:
             lane = min(self.lanes, key=Lane.load)
             ticket.lane = lane

@@ -105,6 +105,9 @@ class GenerateSession:
                 if self.on_chunk is not None:
                     self.on_chunk(event)
                 yield event
+        except WorkerLostError as e:  # did some of its output reach the caller already?
+            e.reached_caller = index > 0 and (self.on_chunk is not None or self.request.stream)
+            raise
         finally:
             ticket.cancel()  # a caller that stopped reading (or Ctrl-C) frees its rows
         end = time.perf_counter()
