@@ -236,12 +236,15 @@ class PlacedModel:
         if key in self._programs:
             self._programs.move_to_end(key)
             return self._programs[key]
-        mine = [k for k in self._programs if k[0] == owner]
+        # the lanes of a split placement call this and add to _warm from their own threads:
+        # read both as snapshots (list() copies a dict at once, where iterating it would fail
+        # when another lane adds a key meanwhile)
+        mine = [k for k in list(self._programs) if k[0] == owner]
         while mine and (owner != "logits" or len(mine) >= _MAX_PROGRAMS):
             old = self._programs.pop(mine.pop(0))
             stale = {id(fn) for fn in old.graphs.values()}
-            for key in [k for k in self._warm if k[0] in stale]:
-                del self._warm[key]
+            for key in [k for k in list(self._warm) if k[0] in stale]:
+                self._warm.pop(key, None)
         cfg = self.config
         shape = [B, cfg.n_kv_heads, S, cfg.head_dim]
         if self._lost:
