@@ -203,13 +203,14 @@ def _prompt(body: dict) -> str:
 
 def _messages(body: dict) -> list:
     messages = body.get("messages")
-    if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str)
-            and _text(m.get("content")) is not None for m in messages):
+    texts = [_text(m.get("content")) if isinstance(m, dict) else None
+             for m in messages] if isinstance(messages, list) else []
+    if not texts or any(t is None or not isinstance(m.get("role"), str)
+                        for m, t in zip(messages, texts)):
         raise _ApiError(400, f"messages={messages!r:.80}: expected a non-empty list of "
                         "{'role': str, 'content': str or a list of text parts} (valid "
                         "Unicode)", param="messages")
-    return [{"role": m["role"], "content": _text(m["content"])} for m in messages]
+    return [{"role": m["role"], "content": t} for m, t in zip(messages, texts)]
 
 
 # ----- the app ------------------------------------------------------------------------------

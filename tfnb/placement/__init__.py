@@ -15,10 +15,9 @@ from tfnb.placement.measure import clear_cache, measure_topology
 from tfnb.names import OBJECTIVES, PLAN_MODES, PLANNERS
 from tfnb.placement.plan import Plan, PlanDiff, Segment
 from tfnb.placement.planners import (as_topology, greedy_assignment, memory_assignment,
-                                     optimal_assignment, plan, replica_groups,
-                                     replicate_devices)
+                                     optimal_assignment, plan, replica_groups)
 
 __all__ = ["DEFAULT_CONTEXT_LEN", "OBJECTIVES", "PLANNERS", "PLAN_MODES", "Plan", "PlanDiff",
            "Prediction", "Segment", "Topology", "as_topology", "clear_cache", "greedy_assignment",
            "measure_topology", "memory_assignment", "optimal_assignment", "parse_bytes", "place",
-           "plan", "predict", "replica_groups", "replicate_devices"]
+           "plan", "predict", "replica_groups"]

@@ -44,7 +44,7 @@ from tfnb.placement.plan import Plan
 BEAM = 16  # states kept per level when the exact search is too large (200 stages x 16 kinds: < 1 s)
 
 __all__ = ["plan", "memory_assignment", "greedy_assignment", "optimal_assignment",
-           "replicate_devices", "replica_groups", "replicate_assignment", "as_topology",
+           "replica_groups", "replicate_assignment", "as_topology",
            "attended_context", "mean_attended"]
 
 
@@ -178,18 +178,10 @@ def _copy_short(chain, topo: Topology, share: int, context_len: int) -> str | No
     return None
 
 
-def replicate_devices(chain, topo: Topology, batch: int = 1, context_len: int = 0) -> list[str]:
-    """Every device, once a full copy (with its share of the KV cache) fits each of them."""
-    short = _copy_short(chain, topo, math.ceil(batch / len(topo.devices)), context_len)
-    if short:
-        raise PlacementError(f"replicate: {short}; mode='optimal' splits the model instead")
-    return list(topo.devices)
-
-
 def replica_groups(chain, topo: Topology, batch: int = 1,
                    context_len: int = 0) -> list[tuple[str, ...]]:
     """The devices of each copy of a replicated plan: every device alone when a full copy fits
-    each (:func:`replicate_devices`), else consecutive groups of the fewest devices that hold a
+    each, else consecutive groups of the fewest devices that hold a
     copy between them (at least two groups; devices left over stay out).
 
     Examples
