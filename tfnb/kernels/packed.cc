@@ -203,45 +203,50 @@ TFNB_AVX2 inline void DecodeBlock(const uint8_t* blk, __m256* w) {
   }
 }
 
-// Dot products of one packed row with NN activation rows at once, so the row's bytes are
-// decoded once per call (up to kMaxN rows; more go through TiledRowsAvx2). Independent
-// accumulators keep the FMA units busy instead of waiting on one dependency chain (a single
-// chain ran at a third of the speed). Probed on SmolLM2's matrices, one core, against the tiles:
-// 29 against 33 ms at 4 rows, 29 against 32 at 5, 36 against 31 at 6, 45 against 42 at 8.
+// Dot products of R consecutive packed rows (1 or 2) with NN activation rows at once, so each
+// row's bytes are decoded once per call (up to kMaxN activation rows; more go through
+// TiledRowsAvx2). Every output has one accumulator, which takes its row's 8-value chunks in
+// order, and is summed across lanes at the end: the order of TileAvx2, so a row's outputs are
+// the same bits alone as in a batch of any size, on every AVX2 route. Two weight rows at a
+// time give 2 x NN independent chains to keep the FMA units busy (a lone row's single chain
+// ran 20-25% slower at one activation row). Probed on a Zen 3 core, SmolLM2's Q4_1 matrices,
+// against one row with two or four accumulators per output (the order this replaced): 13.2
+// against 13.7 ms at 1 row, 15.8 against 16.9 at 2, 18.6 against 19.3 at 3, 20.6 against 21.4
+// at 4; at 5 rows (one weight row) 25.5-26.0 against 26.0-26.2.
 constexpr int kMaxN = 5;
 
-template <int QT, int NN>
-TFNB_AVX2 void DotRowAvx2(const uint8_t* row, int64_t cols, const float* x, int64_t x_stride,
-                          float* out) {
-  constexpr int A = NN == 1 ? 4 : 2;  // accumulators per activation row
-  __m256 acc[NN][A];
-  for (int n = 0; n < NN; ++n)
-    for (int a = 0; a < A; ++a) acc[n][a] = _mm256_setzero_ps();
+template <int QT, int NN, int R>
+TFNB_AVX2 void DotRowsAvx2(const uint8_t* row, int64_t row_bytes, int64_t cols, const float* x,
+                           float* out) {
+  __m256 acc[R][NN];
+  for (int r = 0; r < R; ++r)
+    for (int n = 0; n < NN; ++n) acc[r][n] = _mm256_setzero_ps();
   if (QT == kF32 || QT == kF16) {
     for (int64_t j = 0; j < cols; j += 8) {
-      const __m256 w = QT == kF32
-          ? _mm256_loadu_ps(reinterpret_cast<const float*>(row) + j)
-          : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * j)));
-      const int a = static_cast<int>((j / 8) % A);
-      for (int n = 0; n < NN; ++n)
-        acc[n][a] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + n * x_stride + j), acc[n][a]);
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* rr = row + r * row_bytes;
+        const __m256 w = QT == kF32
+            ? _mm256_loadu_ps(reinterpret_cast<const float*>(rr) + j)
+            : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rr + 2 * j)));
+        for (int n = 0; n < NN; ++n)
+          acc[r][n] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + n * cols + j), acc[r][n]);
+      }
     }
   } else {
-    for (int64_t b = 0; b < cols / kBlock; ++b, row += BlockBytes<QT>()) {
-      __m256 w[4];
-      DecodeBlock<QT>(row, w);
+    for (int64_t b = 0; b < cols / kBlock; ++b) {
+      __m256 w[R][4];
+      for (int r = 0; r < R; ++r) DecodeBlock<QT>(row + r * row_bytes + b * BlockBytes<QT>(), w[r]);
       for (int n = 0; n < NN; ++n) {
-        const float* xb = x + n * x_stride + b * kBlock;
-        for (int k = 0; k < 4; ++k)
-          acc[n][k % A] = _mm256_fmadd_ps(w[k], _mm256_loadu_ps(xb + 8 * k), acc[n][k % A]);
+        const float* xb = x + n * cols + b * kBlock;
+        for (int k = 0; k < 4; ++k) {
+          const __m256 xv = _mm256_loadu_ps(xb + 8 * k);
+          for (int r = 0; r < R; ++r) acc[r][n] = _mm256_fmadd_ps(w[r][k], xv, acc[r][n]);
+        }
       }
     }
   }
-  for (int n = 0; n < NN; ++n) {
-    __m256 s = acc[n][0];
-    for (int a = 1; a < A; ++a) s = _mm256_add_ps(s, acc[n][a]);
-    out[n] = HSum(s);
-  }
+  for (int r = 0; r < R; ++r)
+    for (int n = 0; n < NN; ++n) out[r * kMaxN + n] = HSum(acc[r][n]);
 }
 
 // $TFNB_PACKED_ISA (read once) caps the code this CPU runs: "avx2" keeps an AVX-512 CPU on
@@ -344,23 +349,36 @@ TFNB_AVX2 void TiledRowsAvx2(const uint8_t* w, int64_t row_bytes, int64_t cols, 
   }
 }
 
+template <int QT, int NN>
+void DotRowsAvx2N(const uint8_t* w, int64_t row_bytes, int64_t cols, const float* x, float* y,
+                  int64_t M, int64_t m0, int64_t m1) {
+  constexpr int R = NN < kMaxN ? 2 : 1;  // 10 accumulators and 8 weights would not fit in 16
+  float out[2 * kMaxN];
+  for (int64_t m = m0; m < m1; m += R) {
+    const uint8_t* row = w + m * row_bytes;
+    const int r = static_cast<int>(std::min<int64_t>(R, m1 - m));
+    PrefetchRow(row, r * row_bytes, w + m1 * row_bytes);
+    if (r == R) {
+      DotRowsAvx2<QT, NN, R>(row, row_bytes, cols, x, out);
+    } else {  // the range's last row, alone
+      DotRowsAvx2<QT, NN, 1>(row, row_bytes, cols, x, out);
+    }
+    for (int i = 0; i < r; ++i)
+      for (int n = 0; n < NN; ++n) y[n * M + m + i] = out[i * kMaxN + n];
+  }
+}
+
 template <int QT>
 void RowsAvx2(const uint8_t* w, int64_t row_bytes, int64_t cols, const float* x, int64_t N,
               float* y, int64_t M, int64_t m0, int64_t m1) {
-  if (N > kMaxN) return TiledRowsAvx2<QT>(w, row_bytes, cols, x, N, y, M, m0, m1);
-  float out[kMaxN];
-  for (int64_t m = m0; m < m1; ++m) {
-    const uint8_t* row = w + m * row_bytes;
-    PrefetchRow(row, row_bytes, w + m1 * row_bytes);
-    switch (N) {
-      case 5: DotRowAvx2<QT, 5>(row, cols, x, cols, out); break;
-      case 4: DotRowAvx2<QT, 4>(row, cols, x, cols, out); break;
-      case 3: DotRowAvx2<QT, 3>(row, cols, x, cols, out); break;
-      case 2: DotRowAvx2<QT, 2>(row, cols, x, cols, out); break;
-      case 1: DotRowAvx2<QT, 1>(row, cols, x, cols, out); break;
-    }
-    for (int64_t n = 0; n < N; ++n) y[n * M + m] = out[n];
+  switch (N) {
+    case 5: return DotRowsAvx2N<QT, 5>(w, row_bytes, cols, x, y, M, m0, m1);
+    case 4: return DotRowsAvx2N<QT, 4>(w, row_bytes, cols, x, y, M, m0, m1);
+    case 3: return DotRowsAvx2N<QT, 3>(w, row_bytes, cols, x, y, M, m0, m1);
+    case 2: return DotRowsAvx2N<QT, 2>(w, row_bytes, cols, x, y, M, m0, m1);
+    case 1: return DotRowsAvx2N<QT, 1>(w, row_bytes, cols, x, y, M, m0, m1);
   }
+  TiledRowsAvx2<QT>(w, row_bytes, cols, x, N, y, M, m0, m1);
 }
 
 // ---- AVX-512: a block is two vectors of 16 ----------------------------------------------
@@ -472,7 +490,7 @@ TFNB_AVX512 inline void DecodeBlockScaled512(const uint8_t* blk, const float* s,
   w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table);
 }
 
-// As DotRowAvx2: float rows (up to kMaxN512 activation rows; `cols` a multiple of 16) and a
+// As DotRowsAvx2: float rows (up to kMaxN512 activation rows; `cols` a multiple of 16) and a
 // quantized row against one activation row, when it has no second row to go with it
 // (DotRowsAvx512 takes quantized rows two at a time).
 template <int QT, int NN>
