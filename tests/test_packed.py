@@ -141,7 +141,8 @@ def test_avx2_code_gives_a_row_the_same_bits_alone_as_in_any_batch(tmp_path):
     environ = {k: v for k, v in os.environ.items() if not k.startswith("TFNB_PACKED_")}
     done = subprocess.run([sys.executable, "-c", _SAME_BITS, str(tmp_path / "in.npz")],
                           capture_output=True, text=True, timeout=300,
-                          env={**environ, "TFNB_PACKED_ISA": "avx2", "TF_CPP_MIN_LOG_LEVEL": "3"})
+                          env={**environ, "TFNB_PACKED_ISA": "avx2",
+                               "TF_CPP_MIN_LOG_LEVEL": "3"})
     assert done.returncode == 0, done.stderr[-3000:]
     isa, _, bad = (part.strip() for part in done.stdout.strip().splitlines()[-1].partition("|"))
     if isa != "avx2":

@@ -209,10 +209,10 @@ TFNB_AVX2 inline void DecodeBlock(const uint8_t* blk, __m256* w) {
 // order, and is summed across lanes at the end: the order of TileAvx2, so a row's outputs are
 // the same bits alone as in a batch of any size, whichever of the two computes them. Two
 // weight rows at a time give 2 x NN independent chains to keep the FMA units busy (a lone
-// row's single chain ran about 25% slower at one activation row). Probed on a Zen 3 core, SmolLM2's Q4_1 matrices,
-// against one row with two or four accumulators per output (the order this replaced): 13.2
-// against 13.7 ms at 1 row, 15.8 against 16.9 at 2, 18.6 against 19.3 at 3, 20.6 against 21.4
-// at 4; at 5 rows (one weight row) 25.5-26.0 against 26.0-26.2.
+// row's single chain ran about 25% slower at one activation row). Probed on a Zen 3 core,
+// SmolLM2's Q4_1 matrices, against one row with two or four accumulators per output (the
+// order this replaced): 13.2 against 13.7 ms at 1 row, 15.8 against 16.9 at 2, 18.6 against
+// 19.3 at 3, 20.6 against 21.4 at 4; at 5 rows (one weight row) 25.5-26.0 against 26.0-26.2.
 constexpr int kMaxN = 5;
 
 template <int QT, int NN, int R>
