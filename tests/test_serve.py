@@ -11,6 +11,7 @@ openai = pytest.importorskip("openai", reason="the endpoint tests drive it with 
 import tfnb  # noqa: E402
 from tfnb.models import tiny  # noqa: E402
 from tfnb.serving import ServeError, serve  # noqa: E402
+from tests.conftest import _connect  # noqa: E402
 
 QUESTIONS = ["hello", "what is two", "the cat sat", "a b c", "good day", "tell me", "why", "x"]
 
@@ -20,13 +21,27 @@ def model():
     return tiny("llama")
 
 
-@pytest.fixture
-def placements(own_cluster, model):
+def _placements(cluster, model):
     """The tiny model split over both workers, and replicated on both."""
-    split = tfnb.place(model, own_cluster.devices, own_cluster)
-    replicated = tfnb.place(model, tfnb.plan(model, own_cluster, mode="replicate",
-                                             calibrate=False), own_cluster)
+    split = tfnb.place(model, cluster.devices, cluster)
+    replicated = tfnb.place(model, tfnb.plan(model, cluster, mode="replicate", calibrate=False),
+                            cluster)
     return {"split": split, "replicated": replicated}
+
+
+@pytest.fixture(scope="module")
+def placements(own_workers, model):
+    """Placed once for the module (placing and compiling are most of this suite's time): no
+    test here stops a worker or changes the model, and each leaves its rows free. Only the
+    first test serves with the default background warmup; the others serve with
+    ``warmup=False``, so that no compilation left over from one slows the next."""
+    return _placements(_connect(own_workers), model)
+
+
+@pytest.fixture
+def fresh_placements(own_cluster, model):
+    """Placed for the one test that counts what compiles from nothing."""
+    return _placements(own_cluster, model)
 
 
 def _client(server, key="none"):
@@ -43,6 +58,7 @@ def _ask(client, name, question, **kw):
 @pytest.mark.parametrize("layout", ["replicated", "split"])
 def test_concurrent_chats_get_the_same_greedy_answers_as_one_at_a_time(placements, layout):
     placed = placements[layout]
+    served = dict(placed.served) if layout == "replicated" else None
     with serve(placed) as server:
         client = _client(server)
         alone = {q: _ask(client, server.model, q) for q in QUESTIONS}
@@ -56,12 +72,12 @@ def test_concurrent_chats_get_the_same_greedy_answers_as_one_at_a_time(placement
             t.join(120)
         assert got == alone
     if layout == "replicated":
-        assert all(n > 0 for n in placed.served.values()), placed.served
+        assert all(placed.served[d] > n for d, n in served.items()), (served, placed.served)
 
 
 def test_streaming_gives_the_whole_answer_in_pieces(placements):
     placed = placements["replicated"]
-    with serve(placed) as server:
+    with serve(placed, warmup=False) as server:
         client = _client(server)
         stream = client.chat.completions.create(
             model=server.model, temperature=0, max_tokens=24, stream=True,
@@ -87,7 +103,7 @@ def test_streaming_gives_the_whole_answer_in_pieces(placements):
 def test_the_apis_optional_forms_text_parts_nulls_and_streamed_usage(placements):
     placed = placements["replicated"]
     hello = [{"role": "user", "content": "hello"}]
-    with serve(placed) as server:
+    with serve(placed, warmup=False) as server:
         client = _client(server)
         whole = client.chat.completions.create(model=server.model, temperature=0, max_tokens=12,
                                                messages=hello)
@@ -119,7 +135,7 @@ def test_the_apis_optional_forms_text_parts_nulls_and_streamed_usage(placements)
 
 def test_a_client_that_disconnects_mid_stream_frees_its_replica(placements):
     placed = placements["replicated"]
-    with serve(placed) as server:
+    with serve(placed, warmup=False) as server:
         with httpx.stream("POST", server.url + "/chat/completions", timeout=30, json={
                 "model": server.model, "temperature": 0, "max_tokens": 200, "stream": True,
                 "messages": [{"role": "user", "content": "hello"}]}) as response:
@@ -159,7 +175,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_replica(placements):
       "stream_options": "usage"}, 400, "stream_options='usage'"),
 ])
 def test_bad_requests_get_the_apis_json_error(placements, body, status, word):
-    with serve(placements["split"]) as server:
+    with serve(placements["split"], warmup=False) as server:
         if isinstance(body, dict) and body.get("model") == "MODEL":
             body = {**body, "model": server.model}
         kw = {"content": body} if isinstance(body, bytes) else {"json": body}
@@ -222,7 +238,7 @@ def test_a_key_is_checked_on_every_request_and_needed_beyond_loopback(placements
         serve(placed, host="0.0.0.0")
     with pytest.raises(ServeError, match="port=-1"):
         serve(placed, port=-1)
-    with serve(placed, api_key="s3cret") as server:
+    with serve(placed, api_key="s3cret", warmup=False) as server:
         with pytest.raises(openai.AuthenticationError):
             _ask(_client(server, key="wrong"), server.model, "hi")
         assert httpx.get(server.url + "/models", timeout=5).status_code == 401
@@ -239,11 +255,11 @@ def _health(server):
     return httpx.get(server.url.removesuffix("/v1") + "/health", timeout=5).json()
 
 
-def test_the_endpoint_compiles_ahead_so_a_burst_compiles_nothing(placements):
+def test_the_endpoint_compiles_ahead_so_a_burst_compiles_nothing(fresh_placements):
     """By default the endpoint compiles every batch, window and prompt bucket of greedy and
     sampled requests in the background (``/health`` counts what is left); a burst after that
     compiles nothing. ``warmup=False`` queues nothing, and closing drops what is queued."""
-    placed = placements["replicated"]
+    placed, split = fresh_placements["replicated"], fresh_placements["split"]
     with serve(placed) as server:
         assert _health(server)["warming"] > 0
         client = _client(server)
@@ -264,15 +280,15 @@ def test_the_endpoint_compiles_ahead_so_a_burst_compiles_nothing(placements):
             t.join(120)
         assert sorted(got) == sorted(QUESTIONS) and all(isinstance(a, str) for a in got.values())
         assert [r.compiles for r in placed.replicas] == before
-    with serve(placements["split"], warmup=False) as server:
+    with serve(split, warmup=False) as server:
         assert _health(server)["warming"] == 0
-    server = serve(placements["split"])
+    server = serve(split)
     server.close()
-    assert placements["split"].scheduler.warming() <= 2  # at most each lane's compiling shape
+    assert split.scheduler.warming() <= 2  # at most each lane's compiling shape
     deadline = time.monotonic() + 60  # the shape compiling when it closed finishes
-    while placements["split"].scheduler.warming() and time.monotonic() < deadline:
+    while split.scheduler.warming() and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert placements["split"].scheduler.warming() == 0
+    assert split.scheduler.warming() == 0
     with pytest.raises(ServeError, match="warmup='yes'"):
         serve(placed, warmup="yes")
 
