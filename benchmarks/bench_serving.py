@@ -14,6 +14,14 @@ ratio compares rounds a few seconds apart): single rounds of one configuration v
 10-25% on the 2-core machine. Each tfnb round also records every worker's CPU time over the
 round's wall time: how busy each core was, and how much CPU a token cost in all.
 
+Each client sends 4 requests a round by default. A round ends with its last request, and on
+two replicas the copy that finishes its share first idles until the other is done: traced call
+by call on a Zen 3 machine with 2 requests per client, one replica idled 0.2-0.55 s at the end
+of each 4-6 s round while its calls otherwise ran back to back (under 2 ms between them). A
+server with a steady stream of requests has no such end; a single worker, one queue, has none
+either. 4 requests per client halve that end's share of the round (the same probe, alternated:
+the replicas 1.74-1.82x one worker with 2 requests per client, 1.84-1.91x with 4).
+
 The three tfnb configurations are placed at once on one cluster of two workers, each pinned to
 a core, and their rounds interleave (the single worker is worker 0 alone):
 
@@ -40,7 +48,7 @@ ratios of one run. Writes ``benchmarks/results/serving.md`` and ``.json``.
 
 Run::
 
-    python benchmarks/bench_serving.py [--new 48] [--requests 2] [--skip hf llama.cpp]
+    python benchmarks/bench_serving.py [--new 48] [--requests 4] [--skip hf llama.cpp]
 """
 from __future__ import annotations
 
@@ -334,7 +342,7 @@ def summary(results: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--new", type=int, default=48)
-    ap.add_argument("--requests", type=int, default=2)
+    ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--skip", nargs="*", default=[], choices=["tfnb", "hf", "llama.cpp"])
     ap.add_argument("--only", nargs="*", choices=["worker", "split", "replicas"],
                     help="tfnb configurations to run (default: all)")
