@@ -41,10 +41,15 @@ For the tfnb configurations the planner's predicted throughput at 8 concurrent r
 beside the measurement: ``tfnb.plan(..., prompt_len=..., new_tokens=...)`` calibrates the stage
 times on the workers at the batch each lane or copy then runs, attending the slots these
 requests reach (not the lane's whole cache), and each request's prefill too (the figure counts
-both); the figure is that of the placed plan (``Plan.from_assignment`` on
-the calibrated topology), with the planner's own plan beside it where it cuts elsewhere, and
-its decode steps' rate alone is given as well. The machine is shared and noisy: compare the
-ratios of one run. Writes ``benchmarks/results/serving.md`` and ``.json``.
+both); the figure is that of the placed plan (``Plan.from_assignment`` on the calibrated
+topology), with the planner's own plan beside it where it cuts elsewhere, and its decode
+steps' rate alone is given as well. That calibration runs once, after all the rounds, and the
+machine's speed moves by up to a third within minutes, so the same cost model is also fed
+stage times taken between the rounds at 8 requests (the calibration's own timed loops, built
+once by ``tfnb.placement.planners.topology_timer``, timed once before every cycle of rounds,
+the median of the five counts): that figure tells the cost model's own error apart from the
+machine's drift. The machine is shared and noisy: compare the ratios of one run. Writes
+``benchmarks/results/serving.md`` and ``.json``.
 
 Run::
 
@@ -120,15 +125,17 @@ def median_round(runs: list[dict]) -> dict:
 
 
 def interleaved(sends: dict, clients: int, requests: int, new: int, repeats: int,
-                measure) -> dict:
+                measure, between=None) -> dict:
     """Per configuration (``{name: send}``), the median of ``repeats`` rounds of ``clients``
     measured by ``measure(send, clients, requests, new)``, the configurations' rounds taking
     turns, after one unmeasured round each (it compiles the batch and window sizes the round
-    reaches)."""
+    reaches); ``between()`` is called before every cycle of rounds."""
     for send in sends.values():
         round_of(send, clients, requests, new)
     runs = {name: [] for name in sends}
     for _ in range(repeats):
+        if between is not None:
+            between()
         for name, send in sends.items():
             runs[name].append(measure(send, clients, requests, new))
     return {name: median_round(r) for name, r in runs.items()}
@@ -155,7 +162,7 @@ def bench_tfnb(model, prompt_ids, requests: int, new: int, predict: bool = True,
     leaves their ratios be."""
     import tfnb
     from tfnb.placement import Plan
-    from tfnb.placement.planners import as_topology
+    from tfnb.placement.planners import as_topology, topology_timer
 
     configs = [c for c in CONFIGS if not only or c[0].split()[-1] in only]
     cluster = tfnb.local(2, cpus=["0", "1"])
@@ -174,9 +181,24 @@ def bench_tfnb(model, prompt_ids, requests: int, new: int, predict: bool = True,
             results[name] = {"rounds": [], "plan": str(plan.segments()),
                              "lanes": len(copies) * len(copies[0].scheduler.lanes)}
             assignments[name] = plan.assignment
+        # the stages timed between the rounds at 8 requests, once per cycle, each at the batch
+        # its configuration's lanes or copies then run (timers built and compiled here once)
+        timers, samples = {}, {}
+        for name, n_workers, how in configs if predict else ():
+            key = (load_of(results[name]["lanes"]), n_workers)
+            if key not in timers:
+                timers[key] = topology_timer(cluster, model, key[0], 256, len(prompt_ids),
+                                             list(cluster.devices[:n_workers]), new)
+                samples[key] = []
+
+        def time_stages():
+            for key, timer in timers.items():
+                samples[key].append(timer(1))
+
         for c in CONCURRENCY:
             medians = interleaved(placed, c, requests, new, REPEATS_AT if c == PREDICT_AT else 1,
-                                  lambda *a: busy_round(*a, cluster.local.pids))
+                                  lambda *a: busy_round(*a, cluster.local.pids),
+                                  time_stages if c == PREDICT_AT else None)
             for name, r in medians.items():
                 results[name]["rounds"].append(r)
             print(c, {n: round(r["tokens_per_s"], 1) for n, r in medians.items()}, flush=True)
@@ -196,6 +218,14 @@ def bench_tfnb(model, prompt_ids, requests: int, new: int, predict: bool = True,
             batch = PREDICT_AT if how.get("mode") == "replicate" else \
                 PREDICT_AT // results[name]["lanes"]
             devices = list(cluster.devices[:n_workers])
+            # the same figure from the stages timed between the rounds (their medians)
+            timed = median_topology(samples[(load_of(results[name]["lanes"]), n_workers)])
+            rounds_plan = tfnb.plan(model, timed, batch=batch, context_len=256,
+                                    prompt_len=len(prompt_ids), new_tokens=new, **how) \
+                if how.get("mode") == "replicate" else \
+                Plan.from_assignment(model.chain, assignments[name], timed, batch, 256,
+                                     prompt_len=len(prompt_ids), new_tokens=new)
+            results[name]["rounds_predicted_at_8"] = rounds_plan.prediction.throughput
             try:
                 planned = tfnb.plan(model, cluster, batch=batch, context_len=256,
                                     prompt_len=len(prompt_ids), new_tokens=new,
@@ -217,6 +247,24 @@ def bench_tfnb(model, prompt_ids, requests: int, new: int, predict: bool = True,
         return results
     finally:
         cluster.stop()
+
+
+def load_of(lanes: int) -> int:
+    """The rows a configuration's decode steps run at 8 requests: each lane's share (a copy of
+    a replicated plan is one lane here)."""
+    return -(-PREDICT_AT // lanes)
+
+
+def median_topology(samples: list):
+    """A topology whose stage and prefill times are the medians of ``samples`` (topologies
+    timed alike, between rounds)."""
+    import numpy as np
+
+    def median(tables):
+        return {k: float(np.median([t[k] for t in tables])) for k in tables[0]}
+
+    return samples[0].with_stage_times(median([s.stage_times for s in samples])) \
+        .with_prefill_times(median([s.prefill_times for s in samples]))
 
 
 def bench_hf(model, prompt_ids, requests: int, new: int) -> dict:
@@ -332,7 +380,12 @@ def summary(results: dict) -> str:
             p = r["predicted_at_8"]
             lines.append(f"- {n}: planner predicted {p:.1f} tokens/s at {PREDICT_AT} requests "
                          f"(prefills included; decode steps alone {r['predicted_decode_at_8']:.1f}),"
-                         f" measured {rate[n]:.1f} ({rate[n] / p - 1:+.0%}); {r['lanes']} lane(s)"
+                         f" measured {rate[n]:.1f} ({rate[n] / p - 1:+.0%})" + (
+                             f"; from the stages timed between the rounds "
+                             f"{r['rounds_predicted_at_8']:.1f} ("
+                             f"measured {rate[n] / r['rounds_predicted_at_8'] - 1:+.0%})"
+                             if "rounds_predicted_at_8" in r else "") +
+                         f"; {r['lanes']} lane(s)"
                          + ("" if r.get("planned") in (None, r.get("plan")) else
                             f"; the planner's own cut {r['planned']} predicts "
                             f"{r['planned_at_8']:.1f}"))

@@ -595,6 +595,34 @@ def test_a_served_plan_times_decode_at_the_requests_window_not_the_whole_cache(c
                                             calibrate=False).prediction.memory  # caches: 1024
 
 
+def test_a_topology_timer_times_the_stages_anew_at_every_call(cluster):
+    """``topology_timer`` gives what ``as_topology`` calibrates for served requests (decode
+    steps and prefills of every stage on every device), timed again at every call and not
+    cached: a benchmark calls it between its rounds so its prediction sees the machine the
+    rounds saw."""
+    from tfnb.placement import Plan, clear_cache
+    from tfnb.placement.planners import as_topology, topology_timer
+
+    model = tiny("llama")
+    clear_cache()
+    planned = as_topology(cluster, model, 2, 64, 20, None, 8)
+    timer = topology_timer(cluster, model, 2, 64, 20, None, 8)
+    first, second = timer(1), timer(1)
+    for timed in (first, second):
+        assert set(timed.stage_times) == set(planned.stage_times)
+        assert set(timed.prefill_times) == set(planned.prefill_times)
+        assert sum(timed.stage_times.values()) > 0 and sum(timed.prefill_times.values()) > 0
+    assert first.stage_times != second.stage_times       # timed again, not the cached table
+    assert first.prefill_times != second.prefill_times
+    assert as_topology(cluster, model, 2, 64, 20, None, 8).stage_times == planned.stage_times
+    p = plan(model, cluster, batch=2, context_len=64, prompt_len=20, new_tokens=8)
+    again = Plan.from_assignment(model.chain, p.assignment, first, 2, 64, prompt_len=20,
+                                 new_tokens=8)
+    assert 0 < again.prediction.throughput < again.prediction.decode_throughput
+    with pytest.raises(PlacementError, match="model=None"):
+        topology_timer(cluster, None, 2, 64, 20, None, 8)
+
+
 def test_a_prompt_calibration_times_the_prefill_not_a_decode_step():
     """``time_stages(prompt=P)`` runs each segment's prefill of P tokens: a block with wide
     matrices takes far longer for 256 prompt tokens than for one decode step."""

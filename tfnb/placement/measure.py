@@ -44,7 +44,7 @@ import numpy as np
 from tfnb.models.chain import block_stage
 from tfnb.placement.cost import Topology
 
-__all__ = ["measure_topology", "memory_bandwidth", "calibrate", "clear_cache"]
+__all__ = ["measure_topology", "memory_bandwidth", "calibrate", "calibration_timer", "clear_cache"]
 
 _CACHE: dict = {}
 ALIKE = 1.3  # whole-model times within this ratio (or 1 ms): the same kind, figures averaged
@@ -306,12 +306,47 @@ def calibrate(model, cluster, topology: Topology | None = None, *, batch: int = 
     >>> round(times[("block.0", cluster.devices[0])] * 1e3, 2)        # doctest: +SKIP
     1.62
     """
+    topology = topology or measure_topology(cluster)
+    load = _timed_load(model, batch, context_len, prompt_len, attend)
+    key = ("stages", _cluster_key(cluster, topology.devices), getattr(model, "name", None),
+           repr(model.config), _kinds(model), batch, *load)
+    if refresh or key not in _CACHE:
+        _CACHE[key] = calibration_timer(model, cluster, topology, batch=batch,
+                                        context_len=context_len, prompt_len=prompt_len,
+                                        attend=attend)()
+    return _CACHE[key]
+
+
+def calibration_timer(model, cluster, topology: Topology | None = None, *, batch: int = 1,
+                      context_len: int = 1024, prompt_len: int = 0, attend: int | None = None):
+    """``timer(repeats=None)``: what :func:`calibrate` returns, timed anew at every call (not
+    cached), its loops built and compiled on the devices once. A benchmark times the stages
+    between its own rounds with it, so its prediction and its measurement see the machine in
+    the same state; ``repeats`` timed calls per loop (default: calibrate's)."""
     # tfnb.runtime imports TensorFlow: only when stages are timed.
-    from tfnb.runtime.calibrate import time_stages
+    from tfnb.runtime.calibrate import stage_timer
+
+    topology = topology or measure_topology(cluster)
+    slots, padded, pad, attend = _timed_load(model, batch, context_len, prompt_len, attend)
+    timer = stage_timer(model.config, topology.devices, batch=batch, slots=slots,
+                        like=getattr(model, "weights", None), prompt=padded, pad=pad,
+                        attend=attend)
+    calls = {"steps": 3, "repeats": 5} if prompt_len else {}
+
+    def timed(repeats: int | None = None) -> dict:
+        return stage_table(timer(**{**calls, **({"repeats": repeats} if repeats else {})}),
+                           topology, model.config.n_layers)
+
+    return timed
+
+
+def _timed_load(model, batch: int, context_len: int, prompt_len: int,
+                attend: int | None) -> tuple[int, int, int, int | None]:
+    """``(slots, padded prompt, its padding, attended slots)`` that calibration times for
+    these arguments: the caches bucketed and the prompt padded as the runtime does."""
     from tfnb.runtime.requests import bucket
 
     config = model.config
-    topology = topology or measure_topology(cluster)
     slots = bucket(max(1, context_len), 64, maximum=max(64, config.max_context))
     padded = pad = 0
     if prompt_len:  # padded as the runtime pads a prompt (tfnb.runtime.scheduler.Ticket)
@@ -319,17 +354,14 @@ def calibrate(model, cluster, topology: Topology | None = None, *, batch: int = 
         pad = padded - prompt_len
         slots = max(slots, bucket(padded, 64, maximum=max(64, config.max_context)))
     attend = None if prompt_len or attend is None else min(slots, attend)
+    return slots, padded, pad, attend
+
+
+def _kinds(model) -> tuple:
+    """The ggml types of a model's weights (-1 for float tensors): what a stage's time depends
+    on besides the shapes."""
     weights = getattr(model, "weights", None)
-    kinds = tuple(sorted({getattr(w, "qtype", -1) for w in (weights or {}).values()}))
-    key = ("stages", _cluster_key(cluster, topology.devices), getattr(model, "name", None),
-           repr(config), kinds, batch, slots, prompt_len, attend)
-    if refresh or key not in _CACHE:
-        calls = {"steps": 3, "repeats": 5} if prompt_len else {}
-        _CACHE[key] = stage_table(time_stages(config, topology.devices, batch=batch, slots=slots,
-                                              like=weights, prompt=padded, pad=pad,
-                                              attend=attend, **calls),
-                                  topology, config.n_layers)
-    return _CACHE[key]
+    return tuple(sorted({getattr(w, "qtype", -1) for w in (weights or {}).values()}))
 
 
 def stage_table(timed: dict, topology: Topology, n_layers: int) -> dict:

@@ -44,7 +44,7 @@ from tfnb.placement.plan import Plan
 BEAM = 16  # states kept per level when the exact search is too large (200 stages x 16 kinds: < 1 s)
 
 __all__ = ["plan", "memory_assignment", "greedy_assignment", "optimal_assignment",
-           "replica_groups", "replicate_assignment", "as_topology",
+           "replica_groups", "replicate_assignment", "as_topology", "topology_timer",
            "attended_context", "mean_attended"]
 
 
@@ -88,20 +88,46 @@ def as_topology(cluster_or_topology, model=None, batch: int = 1,
     if is_cluster:
         topo = measure.measure_topology(cluster_or_topology, devices)
         if _placeable(model):
-            batch, context_len = check_load(batch, context_len)
-            topo = topo.with_stage_times(measure.calibrate(
-                model, cluster_or_topology, topo, batch=batch,
-                context_len=attended_context(context_len, prompt_len, new_tokens),
-                attend=mean_attended(context_len, prompt_len, new_tokens)))
-            if prompt_len:
-                topo = topo.with_prefill_times(measure.calibrate(
-                    model, cluster_or_topology, topo, context_len=context_len,
-                    prompt_len=prompt_len))
+            topo = _with_times(topo, [measure.calibrate(model, cluster_or_topology, topo, **load)
+                                      for load in _loads(batch, context_len, prompt_len,
+                                                         new_tokens)])
         return topo
     if isinstance(cluster_or_topology, (list, tuple, str)):
         return Topology(cluster_or_topology)
     raise PlacementError(f"cluster={cluster_or_topology!r:.60}: expected a Cluster, a Topology "
                          "or a list of device strings")
+
+
+def topology_timer(cluster, model, batch: int = 1, context_len: int | None = None,
+                   prompt_len: int = 0, devices=None, new_tokens: int = 0):
+    """``timer(repeats=None)``: the ``Topology`` :func:`as_topology` makes for these arguments,
+    its stages timed anew at every call (:func:`tfnb.placement.measure.calibration_timer`;
+    the timed loops are built once). A benchmark calls it between its rounds, so the
+    prediction it makes from the times sees the machine as the rounds do."""
+    if not _placeable(model):
+        raise PlacementError(f"model={model!r:.60}: expected a placeable llama model to time")
+    topo = as_topology(cluster, None, devices=devices)
+    timers = [measure.calibration_timer(model, cluster, topo, **load)
+              for load in _loads(batch, context_len, prompt_len, new_tokens)]
+    return lambda repeats=None: _with_times(topo, [t(repeats) for t in timers])
+
+
+def _loads(batch: int, context_len: int | None, prompt_len: int, new_tokens: int) -> list:
+    """Calibration's arguments for requests of this shape: their decode steps, and with a
+    prompt its prefill."""
+    batch, context_len = check_load(batch, context_len)
+    loads = [dict(batch=batch, context_len=attended_context(context_len, prompt_len, new_tokens),
+                  attend=mean_attended(context_len, prompt_len, new_tokens))]
+    if prompt_len:
+        loads.append(dict(context_len=context_len, prompt_len=prompt_len))
+    return loads
+
+
+def _with_times(topo: Topology, tables: list) -> Topology:
+    """``topo`` with the decode step times of ``tables[0]`` and the prefill times of
+    ``tables[1]`` if given (:func:`_loads`' order)."""
+    topo = topo.with_stage_times(tables[0])
+    return topo.with_prefill_times(tables[1]) if len(tables) > 1 else topo
 
 
 def attended_context(context_len: int, prompt_len: int = 0, new_tokens: int = 0) -> int:
