@@ -183,9 +183,10 @@ def bench_tfnb(model, prompt_ids, requests: int, new: int, predict: bool = True,
             assignments[name] = plan.assignment
         # the stages timed between the rounds at 8 requests, once per cycle, each at the batch
         # its configuration's lanes or copies then run (timers built and compiled here once)
-        timers, samples = {}, {}
+        timers, samples, timed_as = {}, {}, {}
         for name, n_workers, how in configs if predict else ():
-            key = (load_of(results[name]["lanes"]), n_workers)
+            # rows per lane at 8 requests (a copy of a replicated plan is one lane here)
+            key = timed_as[name] = (-(-PREDICT_AT // results[name]["lanes"]), n_workers)
             if key not in timers:
                 timers[key] = topology_timer(cluster, model, key[0], 256, len(prompt_ids),
                                              list(cluster.devices[:n_workers]), new)
@@ -219,7 +220,7 @@ def bench_tfnb(model, prompt_ids, requests: int, new: int, predict: bool = True,
                 PREDICT_AT // results[name]["lanes"]
             devices = list(cluster.devices[:n_workers])
             # the same figure from the stages timed between the rounds (their medians)
-            timed = median_topology(samples[(load_of(results[name]["lanes"]), n_workers)])
+            timed = median_topology(samples[timed_as[name]])
             rounds_plan = tfnb.plan(model, timed, batch=batch, context_len=256,
                                     prompt_len=len(prompt_ids), new_tokens=new, **how) \
                 if how.get("mode") == "replicate" else \
@@ -247,12 +248,6 @@ def bench_tfnb(model, prompt_ids, requests: int, new: int, predict: bool = True,
         return results
     finally:
         cluster.stop()
-
-
-def load_of(lanes: int) -> int:
-    """The rows a configuration's decode steps run at 8 requests: each lane's share (a copy of
-    a replicated plan is one lane here)."""
-    return -(-PREDICT_AT // lanes)
 
 
 def median_topology(samples: list):
