@@ -172,16 +172,21 @@ TFNB_AVX2 float HalfToFloatF16C(const uint8_t* p) {
   return _cvtsh_ss(LoadU16(p));
 }
 
-// 32 unsigned nibbles of a Q4 block (16 bytes) as four vectors of 8 floats, in value order.
+// 32 unsigned nibbles of a Q4 block (16 bytes) as four vectors of 8 floats, in value order:
+// byte j holds value j in its low nibble and value j + 16 in its high one. Each half of the
+// bytes is widened once, straight from memory, and gives two vectors (its low nibbles masked,
+// its high ones shifted down), the same values as widening four shifted copies of the bytes
+// in fewer instructions. Probed on a Zen 3 core, SmolLM2's Q4_1 matrices in a standalone loop
+// (fastest of 15 passes, alternated 3 times): 9.8-10.5 against 12.9-13.9 ms at 1 row, 12.1-12.7
+// against 15.6-17.2 at 2, 15.2-16.5 against 18.0-18.4 at 3, 18.2-20.0 against 20.2-21.4 at 4.
 TFNB_AVX2 inline void Nibbles(const uint8_t* qs, __m256* q) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m128i mask = _mm_set1_epi8(0x0f);
-  const __m128i lo = _mm_and_si128(bytes, mask);
-  const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-  q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-  q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-  q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-  q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+  const __m256i mask = _mm256_set1_epi32(0x0f);
+  const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs)));
+  const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8)));
+  q[0] = _mm256_cvtepi32_ps(_mm256_and_si256(lo, mask));
+  q[1] = _mm256_cvtepi32_ps(_mm256_and_si256(hi, mask));
+  q[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4));
+  q[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4));
 }
 
 template <int QT>
