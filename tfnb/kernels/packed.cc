@@ -177,8 +177,8 @@ TFNB_AVX2 float HalfToFloatF16C(const uint8_t* p) {
 // bytes is widened once, straight from memory, and gives two vectors (its low nibbles masked,
 // its high ones shifted down), the same values as widening four shifted copies of the bytes
 // in fewer instructions. Probed on a Zen 3 core, SmolLM2's Q4_1 matrices in a standalone loop
-// (fastest of 15 passes, alternated 3 times): 9.8-10.5 against 12.9-13.9 ms at 1 row, 12.1-12.7
-// against 15.6-17.2 at 2, 15.2-16.5 against 18.0-18.4 at 3, 18.2-20.0 against 20.2-21.4 at 4.
+// (fastest of 15 passes, alternated 3 times): 9.8-10.7 against 12.9-14.4 ms at 1 row, 12.1-13.5
+// against 15.6-17.2 at 2, 15.2-16.5 against 18.0-18.4 at 3, 19.9-20.0 against 21.4-27.5 at 4.
 TFNB_AVX2 inline void Nibbles(const uint8_t* qs, __m256* q) {
   const __m256i mask = _mm256_set1_epi32(0x0f);
   const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs)));
