@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+import tensorflow as tf
 
 import tfnb
 from tfnb.errors import WorkerLostError
@@ -246,3 +247,39 @@ def test_after_a_restart_apply_places_afresh_on_the_restarted_worker(own_workers
     assert again is not None and again is not first, editor.error
     assert again.moved_stages == list(again.assignment)  # every stage created afresh
     assert again.generate_ids(PROMPT, max_new_tokens=48, chunk_tokens=4) == expected
+
+
+def test_a_call_failed_by_another_workers_loss_leaves_its_own_workers_usable(own_workers,
+                                                                            own_cluster):
+    """A worker's loss fails calls on workers that answer, with whatever error TF gives them.
+    Here (probed on TF 2.21) an op on task:0 reading a tensor made on the killed task:1 fails
+    with UnavailableError, then with InvalidArgumentError naming task:0. Both are reported as
+    an unconfirmed WorkerLostError (nothing of task:0 was lost, so a router may run the
+    request again), and the error names the lost worker."""
+    from tfnb.runtime.faults import call_with_deadline
+
+    here, there = own_cluster.devices
+    with tf.device(there):
+        made_there = tf.zeros([4]) + 1.0
+
+    def read_it():
+        with tf.device(here):
+            return (made_there * 2.0).numpy()
+
+    own_workers.kill(1)
+    try:
+        causes = []
+        for _ in range(2):
+            with pytest.raises(WorkerLostError, match="task:1") as e:
+                call_with_deadline(read_it, (), timeout=10.0, devices=[here])
+            assert not e.value.confirmed
+            causes.append(type(e.value.__cause__).__name__)
+        assert causes == ["UnavailableError", "InvalidArgumentError"]
+        def fresh():
+            with tf.device(here):
+                return (tf.zeros([2]) + 3.0).numpy()
+
+        assert call_with_deadline(fresh, (), timeout=10.0, devices=[here]).tolist() == [3.0, 3.0]
+    finally:
+        own_workers.restart(1)
+        own_cluster.reconnect()

@@ -2,6 +2,7 @@
 real workers: each worker holds a full copy, requests spread over them, a lost one is dropped."""
 import threading
 import time
+import warnings
 
 import pytest
 
@@ -142,3 +143,38 @@ def test_a_request_whose_chunks_reached_its_caller_fails_instead_of_running_agai
         placed.eos_ids = eos
         own_workers.restart(lost[0] if lost else 1)
         cluster.reconnect()
+
+
+def test_a_request_outlasts_failures_that_leave_its_replica_serving(setup, monkeypatch):
+    """Right after a worker's loss, calls on a replica whose workers answer can fail too (an
+    unconfirmed WorkerLostError; test_faults shows TF doing it). The request runs again after
+    a pause that doubles each time, up to SPARE_TRIES times, and the replica keeps serving;
+    a request that fails on every try gives up with the error. The failures are injected at
+    the replica's generate_ids: TF gives them only by chance, in a worker's dying moments."""
+    from tfnb.runtime.replicas import SETTLE_S, SPARE_TRIES
+
+    cluster, model, placed, expected = setup
+    first = placed.replicas[0]
+    real, failed = first.generate_ids, []
+
+    def failing(times):
+        def generate_ids(prompts, **options):
+            if len(failed) < times:
+                failed.append(time.monotonic())
+                raise WorkerLostError("generate failed while task:7 is lost", confirmed=False)
+            return real(prompts, **options)
+        return generate_ids
+
+    monkeypatch.setattr(first, "generate_ids", failing(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ReplicaLostWarning)
+        assert placed.generate_ids(PROMPTS[0], max_new_tokens=24) == expected[PROMPTS[0]]
+    assert len(failed) == 3 and placed.replicas[0] is first and len(placed.replicas) == 2
+    gaps = [b - a for a, b in zip(failed, failed[1:])]
+    assert gaps[0] >= SETTLE_S and gaps[1] >= 2 * SETTLE_S, gaps
+
+    failed.clear()
+    monkeypatch.setattr(first, "generate_ids", failing(100))
+    with pytest.raises(WorkerLostError, match="task:7"):
+        placed.generate_ids(PROMPTS[0], max_new_tokens=24)
+    assert len(failed) == 1 + SPARE_TRIES and len(placed.replicas) == 2

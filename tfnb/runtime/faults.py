@@ -105,6 +105,14 @@ def call_with_deadline(fn: Callable, args: tuple, *, timeout: float | None,
                                   if "WorkerLostError: " in message else message) from None
         down = _unhealthy_workers(devices) if isinstance(error, tf.errors.OpError) else []
         gone = _resource_gone(error)
+        elsewhere = (_lost_elsewhere(devices) if isinstance(error, tf.errors.OpError)
+                     and not (isinstance(error, LOST_WORKER_ERRORS) or gone or down) else [])
+        if elsewhere:
+            first_line = str(error).strip().splitlines()[0][:300]
+            raise WorkerLostError(
+                f"{what} failed ({type(error).__name__}: {first_line}) while "
+                f"{', '.join(elsewhere)}, which it does not use, is lost. Its own workers "
+                "answer, so nothing of it was lost: run it again.", confirmed=False) from error
         if isinstance(error, LOST_WORKER_ERRORS) or gone or down:
             named = down or devices_named_in(str(error), devices) or list(devices)
             first_line = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
@@ -209,6 +217,23 @@ def _unhealthy_workers(devices: Sequence[str], timeout: float = 1.0) -> list[str
     workers is more reliable than reading the message.
     """
     return silent_workers(_worker_addresses(devices), timeout, states=("down", "unresponsive"))
+
+
+def _lost_elsewhere(devices: Sequence[str]) -> list[str]:
+    """The cluster's workers outside ``devices`` that are down or silent now.
+
+    A worker's loss can fail calls on the others. Probed on TF 2.21 with two workers: a tensor
+    made on task:1, task:1 killed, then ops on task:0 that read it fail twice, first with
+    ``UnavailableError: Failed copying input tensor from .../task:1 ...`` and then with
+    ``InvalidArgumentError: Unable to find the relevant tensor remote_handle ... from remote
+    target .../task:0``, a worker that answers; a fresh op on task:0 then runs. With four
+    workers, task:3 killed in the
+    middle of a request on tasks 2 and 3 failed a request on tasks 0 and 1 the same way (a CI
+    run of tests/test_hybrid.py).
+    """
+    ours = {d.split("/device:")[0] for d in devices}
+    return silent_workers({a: t for a, t in _worker_addresses(None).items() if t not in ours},
+                          1.0, states=("down", "unresponsive"))
 
 
 def _resource_gone(error: BaseException) -> bool:

@@ -13,7 +13,8 @@ replicas it held as lost. A replica whose worker is lost is dropped with a
 :class:`ReplicaLostWarning` and the others keep serving. A request that was running on it is
 retried on another replica when nothing of it reached the caller yet (it returns its result at
 the end, and no chunk event had been handed to an ``on_chunk`` callback), with one try per
-replica and one more; otherwise, and for a stream, it fails with ``WorkerLostError``, since
+replica, and a few more, spaced out, for the moments after a loss when a surviving replica's
+call fails too though its workers answer; otherwise, and for a stream, it fails with ``WorkerLostError``, since
 part of its output may have been shown. With no replica left, a request fails with
 ``WorkerLostError``.
 
@@ -26,6 +27,7 @@ Examples
 from __future__ import annotations
 
 import threading
+import time
 import warnings
 
 from tfnb.errors import WorkerLostError
@@ -33,6 +35,9 @@ from tfnb.runtime.placed import PlacedModel, serving_summary, warm_up
 from tfnb.runtime.requests import with_options_signature
 
 __all__ = ["ReplicatedModel", "ReplicaLostWarning"]
+
+SPARE_TRIES = 4   # a request's retries after failures that left their replica serving
+SETTLE_S = 0.25   # the pause before the first of them; doubled before each next one
 
 
 class ReplicaLostWarning(UserWarning):
@@ -130,22 +135,29 @@ class ReplicatedModel:
         if options.get("stream"):
             replica = self._pick()
             return self._stream(replica, method, prompts, options)
-        # One try per replica and one more, counted from the start: a request whose replica was
-        # dropped keeps its tries for the others. Right after a worker dies, a surviving
-        # replica's call can fail once too, though its worker answers ("Failed copying input
-        # tensor from /job:tfnb_client/... to .../task:0 ...: recvmsg:Connection reset by peer"
-        # with task:1 killed, in 1 of 2 runs of test_replicas' test of this), and the spare try
-        # is for that.
-        tries = len(self.replicas) + 1
-        for attempt in range(tries):
+        # One try per replica, counted from the start: a request whose replica was dropped
+        # keeps its tries for the others. Right after a worker dies, a surviving replica's call
+        # can fail too, though its workers answer (TF errors from the dying calls reach calls on
+        # other workers: "recvmsg:Connection reset by peer", "failed to connect to all
+        # addresses" naming the dead worker's port, "Unable to find the relevant tensor
+        # remote_handle" from a worker of the lost replica). Such a failure leaves the replica
+        # serving (unconfirmed), and the request gets up to SPARE_TRIES more, each after a
+        # pause that lets the failure settle. Probed with four workers and task:3 killed under
+        # four requests: 2 such failures in a row at most, in 8 rounds.
+        tries, spare = len(self.replicas), SPARE_TRIES
+        while True:
             replica = self._pick()
             try:
                 result = getattr(replica, method)(prompts, **options)
             except WorkerLostError as e:
                 self._done(replica, e)
-                if attempt == tries - 1 or e.reached_caller or \
+                settled = replica.lost is None  # its workers answer: a transient failure
+                tries, spare = (tries, spare - 1) if settled else (tries - 1, spare)
+                if e.reached_caller or tries <= 0 or spare < 0 or \
                         not any(r.lost is None for r in self.replicas):
                     raise
+                if settled:
+                    time.sleep(SETTLE_S * 2 ** (SPARE_TRIES - 1 - spare))
                 continue
             except BaseException as e:
                 self._done(replica, e)
