@@ -68,6 +68,9 @@ def call_with_deadline(fn: Callable, args: tuple, *, timeout: float | None,
                        on_start: Callable[[threading.Thread], None] | None = None):
     """``fn(*args)``, raising ``WorkerLostError`` after ``timeout`` s, when a worker holding
     ``devices`` stops answering probes (``probe_timeout``; None: no probes), or on a lost worker.
+    A TF error while the workers holding ``devices`` answer but another worker of the cluster
+    is lost becomes an unconfirmed ``WorkerLostError`` naming that worker (see
+    ``_lost_elsewhere``).
 
     ``on_start`` gets the helper thread, so a caller interrupted by Ctrl-C can wait for the call
     it left running before starting another.
