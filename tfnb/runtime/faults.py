@@ -108,15 +108,16 @@ def call_with_deadline(fn: Callable, args: tuple, *, timeout: float | None,
                                   if "WorkerLostError: " in message else message) from None
         down = _unhealthy_workers(devices) if isinstance(error, tf.errors.OpError) else []
         gone = _resource_gone(error)
-        elsewhere = (_lost_elsewhere(devices) if isinstance(error, tf.errors.OpError)
-                     and not (isinstance(error, LOST_WORKER_ERRORS) or gone or down) else [])
+        lost_here = isinstance(error, LOST_WORKER_ERRORS) or gone or down
+        elsewhere = (_lost_elsewhere(devices)
+                     if not lost_here and isinstance(error, tf.errors.OpError) else [])
         if elsewhere:
             first_line = str(error).strip().splitlines()[0][:300]
             raise WorkerLostError(
                 f"{what} failed ({type(error).__name__}: {first_line}) while "
                 f"{', '.join(elsewhere)}, which it does not use, is lost. Its own workers "
                 "answer, so nothing of it was lost: run it again.", confirmed=False) from error
-        if isinstance(error, LOST_WORKER_ERRORS) or gone or down:
+        if lost_here:
             named = down or devices_named_in(str(error), devices) or list(devices)
             first_line = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
             raise WorkerLostError(
@@ -234,9 +235,8 @@ def _lost_elsewhere(devices: Sequence[str]) -> list[str]:
     middle of a request on tasks 2 and 3 failed a request on tasks 0 and 1 the same way (a CI
     run of tests/test_hybrid.py).
     """
-    ours = {d.split("/device:")[0] for d in devices}
-    return silent_workers({a: t for a, t in _worker_addresses(None).items() if t not in ours},
-                          1.0, states=("down", "unresponsive"))
+    ours = set(_worker_addresses(devices).values())
+    return _unhealthy_workers([t for t in _worker_addresses(None).values() if t not in ours])
 
 
 def _resource_gone(error: BaseException) -> bool:

@@ -153,7 +153,10 @@ class ReplicatedModel:
             except WorkerLostError as e:
                 self._done(replica, e)
                 serving = replica.lost is None  # its workers answer: a passing failure
-                tries, spare = (tries, spare - 1) if serving else (tries - 1, spare)
+                if serving:
+                    spare -= 1
+                else:
+                    tries -= 1
                 if e.reached_caller or tries <= 0 or spare < 0 or \
                         not any(r.lost is None for r in self.replicas):
                     raise
