@@ -31,7 +31,7 @@ import ipywidgets as W  # noqa: E402
 
 from _results import write_results  # noqa: E402
 from tfnb.models import Model  # noqa: E402
-from tfnb.models.llama import LlamaConfig  # noqa: E402
+from tfnb.models.decoder import LlamaConfig  # noqa: E402
 from tfnb.notebook.widgets import PlacementEditor  # noqa: E402
 from tfnb.notebook.widgets import placement as editor_module  # noqa: E402
 from tfnb.placement import Topology  # noqa: E402

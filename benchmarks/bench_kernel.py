@@ -171,7 +171,7 @@ def bench_smollm2_logits() -> list[dict]:
 
     import tfnb
     from tfnb.cluster import LocalCluster
-    from tfnb.runtime import llama as L
+    from tfnb.runtime import forward as L
 
     lc = LocalCluster(1)
     try:

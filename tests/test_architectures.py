@@ -5,7 +5,7 @@ import pytest
 
 import tfnb
 from tfnb.errors import ModelError
-from tfnb.models import llama
+from tfnb.models import decoder
 
 from tests.test_models import add_tiny_metadata, write_llama_gguf
 
@@ -84,16 +84,16 @@ def write_qwen2_gguf(path, config, weights, qtype="F32"):
 
 def test_the_reference_agrees_with_transformers_on_llama():
     """The numpy reference itself, checked against transformers' TFMistral."""
-    cfg = llama.tiny_config()
-    w = llama.random_weights(cfg, 4)
-    want = llama.to_hf(cfg, w)(np.asarray([IDS])).logits.numpy()[0]
+    cfg = decoder.tiny_config()
+    w = decoder.random_weights(cfg, 4)
+    want = decoder.to_hf(cfg, w)(np.asarray([IDS])).logits.numpy()[0]
     np.testing.assert_allclose(reference_logits(cfg, w, IDS), want, atol=2e-4)
 
 
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
 def test_qwen2_gguf_matches_the_reference(tmp_path, cluster, qtype):
-    cfg = llama.tiny_config(qkv_bias=True, rope_theta=1e6)
-    w = llama.random_weights(cfg, 5)
+    cfg = decoder.tiny_config(qkv_bias=True, rope_theta=1e6)
+    w = decoder.random_weights(cfg, 5)
     path = tmp_path / "tiny-qwen2.gguf"
     write_qwen2_gguf(path, cfg, w, qtype)
     model = tfnb.load_model(path, progress=False)
@@ -111,7 +111,7 @@ def test_qwen2_gguf_matches_the_reference(tmp_path, cluster, qtype):
 
 
 def test_an_unsupported_architecture_keeps_its_one_clear_error(tmp_path):
-    cfg = llama.tiny_config()
-    write_llama_gguf(tmp_path / "g.gguf", cfg, llama.random_weights(cfg), arch="gemma")
+    cfg = decoder.tiny_config()
+    write_llama_gguf(tmp_path / "g.gguf", cfg, decoder.random_weights(cfg), arch="gemma")
     with pytest.raises(ModelError, match=r"'gemma'.*expected one of \['llama', 'qwen2'\]"):
         tfnb.load_model(tmp_path / "g.gguf", progress=False)

@@ -178,7 +178,7 @@ def test_two_requests_on_a_split_model_keep_both_workers_busy_at_once(cluster):
     """The profile's timeline: one request alternates between the workers; two requests (one
     lane each) have both computing at the same time."""
     from tfnb.models.chain import stage_names
-    from tfnb.models.llama import random_weights, tiny_config
+    from tfnb.models.decoder import random_weights, tiny_config
     from tfnb.models.model import Model
     from tfnb.models.tokenizer import CharTokenizer
 

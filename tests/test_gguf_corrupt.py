@@ -7,7 +7,7 @@ import gguf
 import pytest
 
 from tfnb.errors import ModelError
-from tfnb.models import llama, load_model
+from tfnb.models import decoder, load_model
 
 from .test_models import write_llama_gguf
 
@@ -34,8 +34,8 @@ def _write(path, monkeypatch, *, meta=None, rename=None, extra=(), drop=()):
                     super().add_tensor(extra_name, tensor[:2].copy(), *args, **kw)
 
     monkeypatch.setattr(gguf, "GGUFWriter", Corrupting)
-    config = llama.tiny_config()
-    write_llama_gguf(path, config, llama.random_weights(config))
+    config = decoder.tiny_config()
+    write_llama_gguf(path, config, decoder.random_weights(config))
     monkeypatch.setattr(gguf, "GGUFWriter", real)
     return path
 

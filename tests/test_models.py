@@ -10,7 +10,7 @@ import pytest  # noqa: E402
 
 from tfnb.errors import ModelError  # noqa: E402
 from tfnb.models import LayerChain, load_model, tiny  # noqa: E402
-from tfnb.models import llama  # noqa: E402
+from tfnb.models import decoder  # noqa: E402
 from tfnb.models.model import smollm2_path  # noqa: E402
 from tfnb.models.packed import PackedTensor  # noqa: E402
 

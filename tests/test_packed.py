@@ -11,7 +11,7 @@ import pytest
 import tfnb
 from tfnb import kernels
 from tfnb.errors import ModelError, PlacementError
-from tfnb.models import llama
+from tfnb.models import decoder
 from tfnb.models.packed import PackedTensor, fuse_rows
 
 from tests.test_models import write_llama_gguf
@@ -357,7 +357,7 @@ def test_many_rows_go_through_a_dequantized_dot_with_the_same_result(name):
     route inside XLA; it equals the packed kernel's result, so both routes give one model."""
     import tensorflow as tf
 
-    from tfnb.runtime import llama as L
+    from tfnb.runtime import forward as L
 
     rng = np.random.default_rng(3)
     C, M = 96, 40
@@ -390,7 +390,7 @@ def test_decode_attention_reads_the_caches_in_place_as_attention_over_the_window
     and 40 take the 16-lane loops, their remainder, and both."""
     import tensorflow as tf
 
-    from tfnb.runtime.llama import attention, decode_mask
+    from tfnb.runtime.forward import attention, decode_mask
 
     rng = np.random.default_rng(B * S + E)
     q = rng.standard_normal((B, H, E)).astype(np.float32)
@@ -478,9 +478,9 @@ def write_quantized_gguf(path, config, weights, types):
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
-    config = llama.tiny_config(n_layers=3)
+    config = decoder.tiny_config(n_layers=3)
     path = tmp_path_factory.mktemp("packed") / "tiny-q.gguf"
-    write_quantized_gguf(path, config, llama.random_weights(config, 3),
+    write_quantized_gguf(path, config, decoder.random_weights(config, 3),
                          {"embed": "Q8_0", "attn": "Q4_0", "ffn": "Q4_1"})
     return path
 
@@ -540,10 +540,10 @@ def test_calibration_times_a_packed_blocks_matmuls(tmp_path):
     reads as many cache slots as it is told to attend (4x the time at 1024 as at 16 slots)."""
     from tfnb.runtime.calibrate import time_stages
 
-    config = llama.tiny_config(hidden_size=1024, ffn_size=4096, n_layers=1, n_heads=8,
+    config = decoder.tiny_config(hidden_size=1024, ffn_size=4096, n_layers=1, n_heads=8,
                                n_kv_heads=4)
     path = tmp_path / "wide-q.gguf"
-    write_quantized_gguf(path, config, llama.random_weights(config, 5),
+    write_quantized_gguf(path, config, decoder.random_weights(config, 5),
                          {"embed": "Q8_0", "attn": "Q4_0", "ffn": "Q4_1"})
     packed = tfnb.load_model(path, progress=False)
     dev = "/device:CPU:0"
@@ -557,9 +557,9 @@ def test_calibration_times_a_packed_blocks_matmuls(tmp_path):
     # a packed model's attention reads a row's slots in place, up to its current one: a step
     # is timed attending what it is asked to, not the few slots a count from 0 would reach
     # (a block whose caches outweigh its weights: 8 KV heads of 32 over 1024 slots, 8 rows)
-    config = llama.tiny_config(hidden_size=256, ffn_size=512, n_layers=1, n_heads=8,
+    config = decoder.tiny_config(hidden_size=256, ffn_size=512, n_layers=1, n_heads=8,
                                n_kv_heads=8)
-    write_quantized_gguf(path, config, llama.random_weights(config, 6),
+    write_quantized_gguf(path, config, decoder.random_weights(config, 6),
                          {"embed": "Q8_0", "attn": "Q4_0", "ffn": "Q4_1"})
     kv = tfnb.load_model(path, progress=False)
     kw = dict(slots=1024, steps=16, repeats=3, stream_bytes=0, like=kv.weights, batch=8)

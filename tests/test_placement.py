@@ -394,7 +394,7 @@ def test_a_worker_slowed_by_other_work_gets_its_own_stage_times():
     import tfnb
     from tfnb.cluster.security import ExposedServerWarning
     from tfnb.models import Model
-    from tfnb.models.llama import random_weights, tiny_config
+    from tfnb.models.decoder import random_weights, tiny_config
     from tfnb.models.tokenizer import CharTokenizer
     from tfnb.placement.planners import as_topology
 
@@ -626,7 +626,7 @@ def test_a_topology_timer_times_the_stages_anew_at_every_call(cluster):
 def test_a_prompt_calibration_times_the_prefill_not_a_decode_step():
     """``time_stages(prompt=P)`` runs each segment's prefill of P tokens: a block with wide
     matrices takes far longer for 256 prompt tokens than for one decode step."""
-    from tfnb.models.llama import tiny_config
+    from tfnb.models.decoder import tiny_config
     from tfnb.runtime.calibrate import time_stages
 
     cfg = tiny_config(hidden_size=256, ffn_size=1024, n_layers=1, n_heads=4, n_kv_heads=2)

@@ -337,7 +337,7 @@ def test_parsing_helpers():
     assert key_devices("/a;1;/b;edge_1_x;0:0") == ("/a", "/b")
     assert key_devices("/device:CPU:0;1;/device:CPU:0;x:0;0:0", "/job:w/replica:0/task:1") == \
         ("/job:w/replica:0/task:1/device:CPU:0",) * 2
-    from tfnb.profiler.graphs import strip_inlined
+    from tfnb.profiler.library import strip_inlined
 
     assert strip_inlined("while/body/_1/while/StatefulPartitionedCall_1") == "while/StatefulPartitionedCall_1"
     assert strip_inlined("MatMul") == "MatMul"

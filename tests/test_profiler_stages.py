@@ -21,7 +21,7 @@ def _heavier_block(monkeypatch, stage: str, extra_matmuls: int = 24):
     whose result is added times zero: its tokens stay the same, its time grows."""
     import tensorflow as tf
 
-    from tfnb.runtime import llama as L
+    from tfnb.runtime import forward as L
 
     plain = L.block_decode
 

@@ -9,7 +9,7 @@ import pytest
 import tfnb
 from tfnb.models import tiny
 from tfnb.notebook.widgets import ServingView
-from tfnb.notebook.widgets.serving import ServingViewError
+from tfnb.notebook.widgets.serving_view import ServingViewError
 from tests.test_replicas import concurrently
 
 PROMPTS = ["hello world", "the cat sat", "one two three"]

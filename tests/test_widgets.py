@@ -20,7 +20,7 @@ from traitlets import TraitError
 
 from tfnb.errors import PlacementError
 from tfnb.models import Model, tiny
-from tfnb.models.llama import LlamaConfig
+from tfnb.models.decoder import LlamaConfig
 from tfnb.notebook.widgets import PlacementEditor
 from tfnb.notebook.widgets.layout import _load_upload
 from tfnb.notebook.widgets.ranges import NONE

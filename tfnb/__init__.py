@@ -29,7 +29,7 @@ _LAZY = {
     "serve": "tfnb.serving", "Server": "tfnb.serving",
     "profile": "tfnb.profiler", "Profile": "tfnb.profiler",
     "PlacementEditor": "tfnb.notebook.widgets",
-    "serving_view": "tfnb.notebook.widgets.serving",
+    "serving_view": "tfnb.notebook.widgets.serving_view",
     "plan": "tfnb.placement", "Plan": "tfnb.placement", "Topology": "tfnb.placement",
 }
 

@@ -8,7 +8,7 @@ Examples
 """
 
 from tfnb.models.chain import LayerChain, Stage
-from tfnb.models.llama import LlamaConfig, random_weights, tiny_config
+from tfnb.models.decoder import LlamaConfig, random_weights, tiny_config
 from tfnb.models.model import MODEL_NAMES, Model, load_model, tiny
 from tfnb.models.tokenizer import CharTokenizer, Tokenizer
 

@@ -30,7 +30,7 @@ from typing import Iterator
 import numpy as np
 
 from tfnb.errors import ModelError
-from tfnb.models.llama import weight_shapes
+from tfnb.models.decoder import weight_shapes
 from tfnb.models.packed import weight_nbytes
 from tfnb.names import format_bytes, format_count, format_span, short_device
 
@@ -182,7 +182,7 @@ class LayerChain:
 
     Examples
     --------
-    >>> from tfnb.models.llama import tiny_config
+    >>> from tfnb.models.decoder import tiny_config
     >>> chain = llama_chain(tiny_config())
     >>> len(chain), chain[0].name, chain["head"].kind
     (4, 'embed', 'head')
@@ -300,7 +300,7 @@ def llama_chain(config, weights: dict | None = None) -> LayerChain:
 
     Examples
     --------
-    >>> from tfnb.models.llama import tiny_config
+    >>> from tfnb.models.decoder import tiny_config
     >>> llama_chain(tiny_config())["block.1"].kv_bytes_per_token   # 2 x 2 kv heads x 16 x 4
     256
     """

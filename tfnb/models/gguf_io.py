@@ -19,7 +19,7 @@ import os
 import numpy as np
 
 from tfnb.errors import ModelError
-from tfnb.models.llama import LlamaConfig, weight_shapes
+from tfnb.models.decoder import LlamaConfig, weight_shapes
 from tfnb.models.packed import QTYPES, PackedTensor
 from tfnb.models.progress import Reporter, silent
 from tfnb.models.tokenizer import Tokenizer, tokenizer_from_gguf_fields

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tfnb.errors import ModelError
-from tfnb.models import llama
+from tfnb.models import decoder
 from tfnb.models.chain import LayerChain, keras_chain, llama_chain
 from tfnb.models.gguf_io import read_gguf
 from tfnb.models.hf_io import LLAMA_FAMILY, hf_chain, load_hf_dir, load_keras_file
@@ -94,7 +94,7 @@ class Model:
         'mistral'
         """
         if self.arch == "llama":
-            return llama.to_hf(self.config, self.weights)
+            return decoder.to_hf(self.config, self.weights)
         if self.arch == "hf":
             return self.hf_model
         raise ModelError(f"model {self.name!r} has arch 'keras': to_hf() expects arch 'llama' "
@@ -166,7 +166,7 @@ def _is_gguf(path: str) -> bool:
 def _llama_model_from_hf(hf_model, tokenizer, path: str) -> Model:
     import dataclasses
 
-    config, weights = llama.from_hf(hf_model)
+    config, weights = decoder.from_hf(hf_model)
     window = getattr(hf_model.config, "sliding_window", None)
     if window and window < config.max_context:  # beyond the window the two models differ
         config = dataclasses.replace(config, max_context=int(window))
@@ -259,7 +259,7 @@ def _looks_like_zip(path: str) -> bool:
 def tiny(arch: str = "llama", seed: int = 0) -> Model:
     """A tiny random model with a character tokenizer, for fast tests.
 
-    ``"llama"``: ``llama.tiny_config()`` weights from ``llama.random_weights(config, seed)``.
+    ``"llama"``: ``decoder.tiny_config()`` weights from ``decoder.random_weights(config, seed)``.
     ``"gpt2"``: an opaque HF ``TFGPT2LMHeadModel`` (2 blocks, hidden 32, vocab 96), its weights
     drawn from ``seed``.
 
@@ -270,9 +270,9 @@ def tiny(arch: str = "llama", seed: int = 0) -> Model:
     'hello'
     """
     if arch == "llama":
-        config = llama.tiny_config()
+        config = decoder.tiny_config()
         return Model("tiny-llama", "llama", config, CharTokenizer(config.vocab_size),
-                     llama.random_weights(config, seed), source=f"tiny(seed={seed})")
+                     decoder.random_weights(config, seed), source=f"tiny(seed={seed})")
     if arch == "gpt2":
         from transformers import GPT2Config, TFGPT2LMHeadModel
 

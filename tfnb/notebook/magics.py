@@ -356,7 +356,7 @@ class TfnbMagics(Magics):
         if args.output:
             self.shell.user_ns[args.output] = server
         if args.view:
-            from tfnb.notebook.widgets.serving import serving_view  # imports ipywidgets
+            from tfnb.notebook.widgets.serving_view import serving_view  # imports ipywidgets
 
             display(serving_view(server))  # the view's thread redraws it; the cell ends at once
         return server

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import re
 
-from tfnb.profiler.graphs import Library
+from tfnb.profiler.library import Library
 from tfnb.profiler.xplane import (TRANSFER_TYPES, Event, key_devices, parse_space, start_time_ns,
                                   transfer_bytes)
 

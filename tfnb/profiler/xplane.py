@@ -78,7 +78,7 @@ class Event(NamedTuple):
     stats: dict | None  # transfers: from, to, key (+ bytes); others: shape when traced
 
 
-# Name scopes tfnb's runtime math runs under (tfnb/runtime/llama.py) and the op kind each one is.
+# Name scopes tfnb's runtime math runs under (tfnb/runtime/forward.py) and the op kind each one is.
 SCOPE_KINDS = {"attention": "attention", "norm": "norm", "rope": "rope", "kv_cache": "copies",
                "sampling": "sampling"}
 COMPILED_KINDS = ("matmul", "attention", "norm", "rope", "sampling", "copies", "other")

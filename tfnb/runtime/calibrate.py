@@ -48,7 +48,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfnb.models.chain import Segment, llama_chain, stage_names
-from tfnb.models.llama import random_weights
+from tfnb.models.decoder import random_weights
 from tfnb.models.packed import PackedTensor, packed_like
 from tfnb.runtime.faults import call_with_deadline
 from tfnb.runtime.graphs import (HeadIn, client_cpu, pack_ctl, pack_prefill_ctl,
@@ -206,7 +206,7 @@ def time_stages(config, devices, *, batch: int = 1, slots: int = 128, steps: int
 
     Examples
     --------
-    >>> from tfnb.models.llama import tiny_config
+    >>> from tfnb.models.decoder import tiny_config
     >>> t = time_stages(tiny_config(), ["/device:CPU:0"], slots=16, steps=2, repeats=1)
     >>> sorted(t["/device:CPU:0"]), all(v >= 0 for v in t["/device:CPU:0"].values())
     (['block', 'embed', 'head'], True)

@@ -35,7 +35,7 @@ from tensorflow.compiler.tf2xla.python import xla
 from tensorflow.python.eager import context
 
 from tfnb.models.chain import Segment, block_stage
-from tfnb.runtime import llama as L
+from tfnb.runtime import forward as L
 from tfnb.runtime import wire
 
 __all__ = ["HeadIn", "SegmentFns", "pack_ctl", "pack_prefill_ctl", "with_tokens", "unpack_ctl",

@@ -84,7 +84,7 @@ class GenerateRequest:
 
     Examples
     --------
-    >>> from tfnb.models.llama import tiny_config
+    >>> from tfnb.models.decoder import tiny_config
     >>> r = GenerateRequest.check([1, 5], tokenizer=None, config=tiny_config(), text=False,
     ...                           options=GenerateOptions(max_new_tokens=4))
     >>> r.rows, r.max_new_tokens, r.sampling.mode, r.chunk_tokens

@@ -9,7 +9,7 @@ the batch without waiting for each other to finish.
 
 All busy rows of a lane write the same cache slot each step; a row that joins at slot ``s``
 with a prompt of ``n`` tokens is left-padded to ``pad = s - n`` (the runtime's usual padding,
-:mod:`tfnb.runtime.llama`), so its tokens, positions and attention are exactly those of the
+:mod:`tfnb.runtime.forward`), so its tokens, positions and attention are exactly those of the
 prompt alone. When the slot would run past the caches, the busy rows are moved to the front
 (:func:`tfnb.runtime.graphs.shift_function`), which the padding makes invisible. Shapes stay
 bucketed: busy rows to a power of two, the attended window to 64, 128, 256 ... slots (and a
@@ -96,7 +96,7 @@ CHUNK_STEPS = 16  # decode steps per call at most: how long a new request may wa
 MIN_SLOTS = 256   # cache slots per lane at least, so requests join without moving the caches
 MAX_ROWS = 8      # rows per lane at least (more when one request brings more prompts)
 FREE_PAD = 1 << 30  # a free row's padding: past every slot of every step of a chunk, so the
-#                     row attends nothing and its matmul rows are skipped (tfnb.runtime.llama)
+#                     row attends nothing and its matmul rows are skipped (tfnb.runtime.forward)
 IDLE_EXIT_S = 30.0  # a lane's driver thread ends after this long without work
 RECENT = 32        # finished requests a scheduler remembers for its status
 # How often a caller waiting for tokens wakes to look at its lane's progress (Ticket.next):

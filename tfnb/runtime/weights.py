@@ -6,7 +6,7 @@ value converted under a remote device scope holds it; see ``graphs.OnDevice``).
 
 Examples
 --------
->>> from tfnb.models.llama import tiny_config, random_weights
+>>> from tfnb.models.decoder import tiny_config, random_weights
 >>> from tfnb.models.chain import Segment
 >>> cfg = tiny_config()
 >>> seg = Segment("/device:CPU:0", ("embed", "block.0", "block.1", "head"))
@@ -22,9 +22,9 @@ import tensorflow as tf
 
 from tfnb.errors import PlacementError
 from tfnb.models.chain import Segment, block_stage
-from tfnb.models.llama import weight_shapes
+from tfnb.models.decoder import weight_shapes
 from tfnb.models.packed import PackedTensor
-from tfnb.runtime import llama as L
+from tfnb.runtime import forward as L
 from tfnb.runtime.graphs import client_cpu
 
 __all__ = ["variable_on", "segment_params", "kv_caches", "check_weights", "param_variables",

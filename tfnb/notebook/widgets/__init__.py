@@ -13,6 +13,6 @@ True
 """
 from tfnb.notebook.widgets.dataflow import plan_svg
 from tfnb.notebook.widgets.placement import PlacementEditor
-from tfnb.notebook.widgets.serving import ServingView, serving_view
+from tfnb.notebook.widgets.serving_view import ServingView, serving_view
 
 __all__ = ["PlacementEditor", "ServingView", "plan_svg", "serving_view"]

@@ -84,7 +84,7 @@ def fuse_block(weights: dict, i: int) -> dict[str, np.ndarray]:
 
     Examples
     --------
-    >>> from tfnb.models.llama import tiny_config, random_weights
+    >>> from tfnb.models.decoder import tiny_config, random_weights
     >>> fuse_block(random_weights(tiny_config()), 0)["wqkv"].shape
     (64, 128)
     """
