@@ -87,14 +87,14 @@ def logits(hf_model, ids):
     return hf_model(np.asarray([ids], dtype=np.int32)).logits.numpy()[0]
 
 
-# ---------------------------------------------------------------- llama.py
+# ---------------------------------------------------------------- decoder.py
 
 
 @pytest.mark.parametrize("tie", [True, False])
 def test_llama_to_hf_from_hf_round_trips_exactly(tie):
-    config = llama.tiny_config(tie_embeddings=tie)
-    weights = llama.random_weights(config, seed=3)
-    config2, weights2 = llama.from_hf(llama.to_hf(config, weights))
+    config = decoder.tiny_config(tie_embeddings=tie)
+    weights = decoder.random_weights(config, seed=3)
+    config2, weights2 = decoder.from_hf(decoder.to_hf(config, weights))
     assert config2 == config
     assert sorted(weights2) == sorted(weights)
     assert ("lm_head" in weights2) == (not tie)
@@ -112,7 +112,7 @@ def test_tiny_llama_logits_are_finite_spread_and_position_dependent():
     top2 = np.sort(out_TxV, axis=-1)[:, -2:]
     assert (top2[:, 1] - top2[:, 0] > 1e-3).all(), "greedy decoding would see ties"
     assert len(set(out_TxV.argmax(-1).tolist())) > 1
-    assert not np.allclose(llama.random_weights(model.config, 1)["embed"], model.weights["embed"])
+    assert not np.allclose(decoder.random_weights(model.config, 1)["embed"], model.weights["embed"])
 
 
 def test_tiny_llama_model_tokenizer_and_chain():
@@ -153,8 +153,8 @@ def test_layer_chain_sequence_tables_and_kv():
 
 
 def test_gguf_written_like_llama_cpp_loads_back_exactly(tmp_path):
-    config = llama.tiny_config(tie_embeddings=False, max_context=128)
-    weights = llama.random_weights(config, seed=5)
+    config = decoder.tiny_config(tie_embeddings=False, max_context=128)
+    weights = decoder.random_weights(config, seed=5)
     path = tmp_path / "tiny.gguf"
     write_llama_gguf(path, config, weights)
     calls = []
@@ -168,8 +168,8 @@ def test_gguf_written_like_llama_cpp_loads_back_exactly(tmp_path):
 
 
 def test_progress_true_prints_a_bar_in_a_terminal(tmp_path, capsys):
-    config = llama.tiny_config()
-    write_llama_gguf(tmp_path / "t.gguf", config, llama.random_weights(config))
+    config = decoder.tiny_config()
+    write_llama_gguf(tmp_path / "t.gguf", config, decoder.random_weights(config))
     load_model(tmp_path / "t.gguf")
     assert "reading weights" in capsys.readouterr().err
     load_model(tmp_path / "t.gguf", weights="float32")
@@ -201,7 +201,7 @@ def smollm2():
 @pytest.mark.slow
 def test_smollm2_config_matches_the_gguf_facts(smollm2):
     assert smollm2.name == "smollm2" and smollm2.arch == "llama"
-    assert smollm2.config == llama.LlamaConfig(
+    assert smollm2.config == decoder.LlamaConfig(
         vocab_size=49152, hidden_size=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn_size=1536,
         rope_theta=100000.0, norm_eps=1e-5, max_context=8192, tie_embeddings=True,
         bos_id=1, eos_ids=(2,))
@@ -286,8 +286,8 @@ def test_truncated_gguf_is_a_model_error(tmp_path):
 
 
 def test_unsupported_gguf_architecture(tmp_path):
-    config = llama.tiny_config()
-    write_llama_gguf(tmp_path / "f.gguf", config, llama.random_weights(config), arch="falcon")
+    config = decoder.tiny_config()
+    write_llama_gguf(tmp_path / "f.gguf", config, decoder.random_weights(config), arch="falcon")
     with pytest.raises(ModelError, match="'falcon'.*'llama'"):
         load_model(str(tmp_path / "f.gguf"), progress=False)
 
@@ -341,9 +341,9 @@ def test_hf_gpt2_directory_stays_opaque(tmp_path):
 
 
 def test_hf_mistral_directory_becomes_llama(tmp_path):
-    config = llama.tiny_config(n_layers=1)
-    weights = llama.random_weights(config, seed=7)
-    hf = llama.to_hf(config, weights)
+    config = decoder.tiny_config(n_layers=1)
+    weights = decoder.random_weights(config, seed=7)
+    hf = decoder.to_hf(config, weights)
     expected = logits(hf, [1, 5, 9, 11])
     hf.save_pretrained(tmp_path)
     model = load_model(str(tmp_path), progress=False)
@@ -384,7 +384,7 @@ def test_tiny_gpt2_is_an_opaque_hf_model():
     assert len(model.chain) == 4
 
 
-@pytest.mark.parametrize("module", ["llama", "chain", "gguf_io", "model", "progress", "tokenizer"])
+@pytest.mark.parametrize("module", ["decoder", "chain", "gguf_io", "model", "progress", "tokenizer"])
 def test_docstring_examples_run(module):
     import doctest
     import importlib
