@@ -298,12 +298,12 @@ def test_a_chat_template_that_refuses_the_messages_is_a_bad_request():
     e.g. roles that do not alternate: a 400 naming the messages, not a 500."""
     from jinja2.exceptions import TemplateError
 
-    from tfnb.serving import _ApiError, _chat_prompt
+    from tfnb.serving.protocol import ApiError, chat_prompt
 
     class Strict:
         def apply_chat_template(self, messages):
             raise TemplateError("Conversation roles must alternate user/assistant")
 
-    with pytest.raises(_ApiError, match="roles must alternate") as e:
-        _chat_prompt(Strict(), [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+    with pytest.raises(ApiError, match="roles must alternate") as e:
+        chat_prompt(Strict(), [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
     assert e.value.status == 400 and e.value.param == "messages"

@@ -255,12 +255,11 @@ def test_the_protocol_needs_neither_the_http_stack_nor_tensorflow():
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr[-2000:]
 
 
-def test_the_old_names_still_import_from_tfnb_serving():
+def test_the_public_names_import_from_tfnb_serving():
     import tfnb
-    from tfnb.serving import _ApiError, _chat_prompt, ExposedEndpointWarning, ServeError, Server
+    from tfnb.serving import ExposedEndpointWarning, ServeError, Server
 
     assert tfnb.serve is tfnb.serving.serve and tfnb.Server is Server
-    assert _ApiError is ApiError and _chat_prompt is chat_prompt
     assert issubclass(ServeError, ValueError) and issubclass(ExposedEndpointWarning, UserWarning)
 
 

@@ -22,8 +22,5 @@ Examples
 from tfnb.serving.protocol import ApiError, ChatRequest, CompletionRequest, chat_prompt
 from tfnb.serving.server import ExposedEndpointWarning, ServeError, Server, serve
 
-# the names these had when the endpoint was one module
-_ApiError, _chat_prompt = ApiError, chat_prompt
-
 __all__ = ["serve", "Server", "ServeError", "ExposedEndpointWarning", "ApiError", "ChatRequest",
            "CompletionRequest"]
