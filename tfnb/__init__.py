@@ -3,10 +3,10 @@
 Examples
 --------
 >>> import tfnb                                          # doctest: +SKIP
->>> cluster = tfnb.local(2)                              # two TF workers on this machine
->>> model = tfnb.load_model("smollm2")                   # a real LLM, from disk
->>> placed = tfnb.place(model, cluster.devices)          # weights split across the workers
->>> placed.chat("What is the capital of France?")
+>>> cluster = tfnb.local(2)          # two TF workers on this machine      # doctest: +SKIP
+>>> model = tfnb.load_model("smollm2")   # a real LLM, from disk           # doctest: +SKIP
+>>> placed = tfnb.place(model, cluster.devices)  # split across the workers  # doctest: +SKIP
+>>> placed.chat("What is the capital of France?")                         # doctest: +SKIP
 """
 import os as _os
 
@@ -53,7 +53,8 @@ def __dir__():
 
 
 def load_ipython_extension(ipython):
-    """``%load_ext tfnb``: register the ``%tfcluster`` magics (and the others as they land)."""
+    """``%load_ext tfnb``: register ``%tfcluster``, ``%%tfprofile``, ``%tfplace`` and ``%tfserve``
+    (:mod:`tfnb.notebook.magics`)."""
     from tfnb.notebook.magics import load_ipython_extension as _load
 
     _load(ipython)

@@ -12,7 +12,8 @@ honest peak memory), on the same model, prompt and number of new tokens, greedy,
 
 Tokens/s counts new tokens over the whole generate call (prefill included), best of ``repeat``
 calls after a warm-up call that compiles; time to first token is a 2-token generate minus one
-decode step (HF's XLA generate cannot make a single token), likewise warmed up. Peak memory is the high-water RSS of the client and of each worker process.
+decode step (HF's XLA generate cannot make a single token), likewise warmed up. Peak memory is
+the high-water RSS of the client and of each worker process.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Connecting this process to a TF cluster: probe first, then tell TensorFlow.
 
 ``tf.config.experimental_connect_to_cluster`` returns at once and the first op on an unreachable
-worker then hangs with no error (measured: > 150 s). :func:`connect` therefore probes every address
+worker then hangs with no error (for minutes at least). :func:`connect` therefore probes every address
 under a timeout before TensorFlow is told anything, and refuses with one error naming every worker
 that did not answer. It also advertises the client's own TF server at an address the workers can
 reach back (TF's default is ``localhost``, which breaks clusters on several hosts), and remembers
@@ -271,12 +271,11 @@ class Cluster:
 def _await_restarted(devices: list[str], every: list[str], timeout: float) -> None:
     """Run one small op on each restarted worker's device, then hand its result to every other
     worker (``every``: one device per worker), retrying while a channel to it still refuses:
-    right after a restart on the same port, the first calls failed with "failed to connect to
-    all addresses ... Connection refused" although the worker had answered our probe (the old
-    connection's failure outlives the process it belonged to). The other workers' channels to
-    it do the same: on a 2-core Zen 5 machine, the first generate after reconnect() and place()
-    failed so on the worker that received from the restarted one, in 2 of 3 runs of
-    tests/test_faults.py, until these hand-overs were awaited here too."""
+    right after a restart on the same port, the first calls fail with "failed to connect to all
+    addresses ... Connection refused" although the worker answered our probe (the old
+    connection's failure outlives the process it belonged to), and the other workers' channels
+    to it do the same, failing the first generate after reconnect() and place()
+    (docs/faults.md)."""
     import time
 
     import tensorflow as tf
@@ -317,12 +316,11 @@ def _tell_tensorflow(spec: ClusterSpec, client_address: str) -> None:
     from tfnb.cluster.tflog import skip_remote_cleanup_at_exit
 
     skip_remote_cleanup_at_exit()  # at exit, no "Failed to remove function remotely" per function
-    # Remote ops go as unary Enqueue RPCs, not over TF's streaming enqueue. Probed (TF 2.21):
-    # after an op failed on a killed worker, the next connect to another cluster hung for good in
-    # 3 of 4 runs with streaming (EagerExecutor::WaitForAllPendingNodes, holding the GIL, so no
-    # Python-level timeout could fire) and in 0 of 13 without; SmolLM2 over 2 workers decodes no
-    # slower (36-40 vs 31-35 tok/s). TF's own dynamic-cluster tests turn it off the same way; the
-    # variable is read when a connection is made. A value the user set is kept.
+    # Remote ops go as unary Enqueue RPCs, not over TF's streaming enqueue: in TF 2.21, after an
+    # op failed on a killed worker, the next connect to another cluster can hang for good with
+    # streaming (in EagerExecutor::WaitForAllPendingNodes, holding the GIL), and decoding is no
+    # slower without it (docs/faults.md). TF's own dynamic-cluster tests turn it off the same
+    # way; the variable is read when a connection is made. A value the user set is kept.
     os.environ.setdefault("TF_ENABLE_EAGER_CLIENT_STREAMING_ENQUEUE", "0")
     jobs = spec.as_dict()
     jobs[CLIENT_JOB] = [client_address]

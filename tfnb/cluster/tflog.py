@@ -1,6 +1,6 @@
 """Keeping TensorFlow's own C++ log noise out of tfnb's commands, and out of interpreter exit.
 
-Two sources, measured with TF 2.21 on machines without a GPU:
+Two sources, as TF 2.21 writes them on machines without a GPU:
 
 * Start-up: ``cudart_stub.cc`` "Could not find cuda drivers", ``cuda_platform.cc`` "failed call to
   cuInit", oneDNN and CPU-feature notices, and absl's "All log messages before

@@ -204,10 +204,9 @@ def serve(cluster: str, job: str, task: int, *, profiler_port: int | None = None
     _, port = split_address(address)
     try:
         # At least 4 inter-op threads, even on one CPU. Remote ops arrive as unary Enqueue RPCs
-        # (see tfnb.cluster.connect). Probed: two workers pinned to one CPU each (1 inter-op
-        # thread, TF's default there) deadlocked on their first split generate, and with 4 they
-        # run; a unary handler seemingly waits on that pool for work queued on it. Compute still
-        # uses the pinned CPUs' intra-op threads.
+        # (see tfnb.cluster.connect), and with one inter-op thread (TF's default on one CPU) two
+        # pinned workers deadlock on their first split generate: a unary handler seemingly waits
+        # on that pool for work queued on it. Compute still uses the intra-op threads.
         config = tf.compat.v1.ConfigProto(
             inter_op_parallelism_threads=max(4, len(os.sched_getaffinity(0))))
         server = tf.distribute.Server(tf.train.ClusterSpec(jobs), job_name=job, task_index=task,

@@ -1,10 +1,11 @@
 """A model as a chain of stages, with the numbers a placement needs (no TensorFlow devices here).
 
-Cost model (kept deliberately simple; all sizes float32, batch 1, per token):
+Cost model (kept deliberately simple; activations float32, batch 1, per token):
 
-- ``param_bytes``: 4 bytes per parameter the stage needs on its device. With tied embeddings the
-  head stage needs the embedding matrix too, so it is counted in *both* ``embed`` and ``head``:
-  two devices hold a copy. ``LayerChain.total_param_bytes`` sums stages (copies included);
+- ``param_bytes``: bytes of the parameters the stage needs on its device: 4 per parameter, or
+  their packed size for packed GGUF weights (:func:`llama_chain`). With tied embeddings the head
+  stage needs the embedding matrix too, so it is counted in *both* ``embed`` and ``head``: two
+  devices hold a copy. ``LayerChain.total_param_bytes`` sums stages (copies included);
   ``LayerChain.unique_param_bytes`` counts each weight once.
 - ``flops_per_token``: 2 x the matmul parameters (one multiply-add each). Norms, activations,
   rotary and softmax are O(hidden) and ignored. The embedding lookup costs 0.

@@ -1,6 +1,13 @@
-"""IPython magics: thin wrappers that parse arguments and call one core function each.
+"""IPython magics (``%load_ext tfnb``): thin wrappers that parse arguments and call one core
+function each.
 
-Bad arguments raise :class:`IPython.core.error.UsageError` (IPython shows one line, no traceback)
+- ``%tfcluster local|connect|status|disconnect|stop``: the cluster this notebook uses;
+- ``%%tfprofile``: run the cell under :func:`tfnb.profiler.profile_call` and show the profile;
+- ``%tfplace MODEL``: the placement editor for a model on the connected cluster;
+- ``%tfserve PLACED``: serve a placed model over OpenAI's HTTP API (:func:`tfnb.serve`).
+
+Loading the extension also turns on live text for generate calls and shows matplotlib Figures
+inline. Bad arguments raise :class:`IPython.core.error.UsageError` (IPython shows one line, no traceback)
 before any state changes; errors tfnb raises on purpose are shown the same way.
 """
 from __future__ import annotations
@@ -201,7 +208,7 @@ def _tfcluster_doc(doc: str) -> str:
 
 @magics_class
 class TfnbMagics(Magics):
-    """``%tfcluster``, ``%%tfprofile`` and ``%tfplace``."""
+    """``%tfcluster``, ``%%tfprofile``, ``%tfplace`` and ``%tfserve``."""
 
     @line_magic
     def tfcluster(self, line: str = ""):

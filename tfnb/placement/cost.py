@@ -34,12 +34,8 @@ next to the head) return to the embedding's device for the next step.
   prompt occupies device ``k`` for ``p_k``, the other lanes' steps queue there, and every other
   device ``j`` gets at most their ``lanes - 1`` steps of its own (``s_j`` each) and then waits.
   Each prompt therefore costs device ``j`` its own part ``p_j`` plus ``sum over k != j of
-  max(0, p_k - (lanes - 1) * s_j)`` waiting. Profiled on SmolLM2 split over two one-core
-  workers (embedding and 18 blocks | 12 blocks and the head; 8 clients of 2 requests, 48
-  tokens): the workers computed 84% and 79-80% of the round, prefills taking 75-76 and 51-53
-  ms of it, decode steps 10.1-10.2 and 10.7-11.1 ms. Without the wait the calibrated
-  prediction was 264.5 tokens/s where rounds measured 204-215; with it, 211.2 where they
-  measured 203-209 (another run of the same probe).
+  max(0, p_k - (lanes - 1) * s_j)`` waiting (without this term serving rates of a split model
+  are overpredicted; docs/placement.md compares both with measured rounds).
 - **bytes per token** = bytes crossing devices per step / ``batch``.
 - **memory** per device = parameters of its stages + their KV cache for ``batch`` x
   ``context_len`` tokens. Activations and workspace are not counted.

@@ -22,11 +22,8 @@
   every device (:mod:`tfnb.runtime.calibrate`). Twins by description (one kind, above) whose
   times for the whole model are alike (within ``ALIKE``, or 1 ms) share the mean of their
   figures, so they stay interchangeable; a twin slower than that (its machine busy with other
-  work) keeps its own times and becomes a class of its own. Probed on the 2-core machine, two
-  workers pinned to one core each, a spinning process sharing worker 0's core: the matrix
-  products above still measured worker 0 as fast as worker 1 (44-60 against 33-55 GFLOP/s:
-  they are short enough to run while the spinner is preempted), while a SmolLM2 block decoded
-  in 1.78 ms on worker 0 against 1.0 ms on worker 1.
+  work) keeps its own times and becomes a class of its own: the short matrix products above
+  do not see a busy core, a decode step does (docs/placement.md).
 
 The whole measurement stops starting new work after ``budget_s`` seconds; pairs not measured by
 then get the slowest measured link (a warning says how many). Results are cached per cluster
@@ -371,8 +368,8 @@ def stage_table(timed: dict, topology: Topology, n_layers: int) -> dict:
     for members in topology.classes():
         devs = [topology.devices[d] for d in members]
         for group in _alike({dev: timed[dev] for dev in devs}, n_layers):
-            # the mean: one calibration still differs from the next by up to +-10% on
-            # a busy machine (a SmolLM2 block: 0.76-0.92 ms, probed); averaging narrows it
+            # the mean: one calibration differs from the next by up to +-10% on a busy
+            # machine (docs/placement.md); averaging narrows it
             per = {k: float(np.mean([timed[dev][k] for dev in group])) for k in timed[devs[0]]}
             for dev in group:
                 times[("embed", dev)], times[("head", dev)] = per["embed"], per["head"]

@@ -137,9 +137,8 @@ def attended_context(context_len: int, prompt_len: int = 0, new_tokens: int = 0)
 
     A served model's caches are larger than its requests (256 slots at least), and its decode
     steps attend only the window the busy rows reach (:mod:`tfnb.runtime.scheduler`), so
-    that is what calibration times. Probed on the 2-core test machine, SmolLM2 Q4_1 on one
-    one-core worker, 8 rows: 29-30 ms per step attending 64 slots, 33.5-35.6 at 128 and
-    45.7-48.2 at 256 (4 rows: 19.3-20.3, 21.4-22.8 and 27.3-27.4).
+    that is what calibration times: a step's time grows with the window it attends
+    (docs/placement.md).
 
     >>> attended_context(256, 37, 48), attended_context(1024), attended_context(64, 37, 48)
     (96, 1024, 64)

@@ -1,6 +1,6 @@
 """From the raw XSpaces of one capture to the event records a :class:`Profile` holds.
 
-Transfers (probed on TF 2.21 with the LLM runtime's decode loop; see graphs.py for the names):
+How TF 2.21 traces transfers (as seen in the runtime's decode loop, :mod:`tfnb.runtime.graphs`):
 
 * a ``_Send``/``_Recv`` names its producing node (``from``), its consuming node (``to``) and a
   rendezvous ``key`` but no size. The key is fixed per node: inside a ``tf.while_loop`` one
@@ -11,7 +11,7 @@ Transfers (probed on TF 2.21 with the LLM runtime's decode loop; see graphs.py f
   of a (key, step) are as many as the runs of the consumer (else of the producer); the rest
   are dead and not counted;
 * the size is the consumer's input that comes from the producer, in the consumer's traced
-  ``shape`` stat; which input that is comes from the function library (:mod:`graphs`). A
+  ``shape`` stat; which input that is comes from the function library (:mod:`library`). A
   *control* edge crossing devices is sent as a dummy ``float[0]`` received into an
   ``Identity`` numbered one above the ``_Recv`` (``x/_19`` -> ``x/_20``); a loop's ``LoopCond``
   reaches the other devices' control loops as a bool, sized from the producer's own input;

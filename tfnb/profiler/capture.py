@@ -1,80 +1,35 @@
 """Capturing TensorFlow's own traces from every worker and from this process while code runs.
 
-How a capture starts and stops
-------------------------------
+Start and stop
+--------------
 ``tf.profiler.experimental.client.trace`` needs its duration up front, which a notebook cell
-does not know. Every TF server (each worker's ``tf.distribute.Server``) runs the
-``tensorflow.ProfilerService`` gRPC service on its own port, and in TF 2.21 that service has
-``StartContinuousProfiling`` / ``GetSnapshot`` / ``StopContinuousProfiling``:
+does not know. Every TF server runs the ``tensorflow.ProfilerService`` gRPC service, which has
+``StartContinuousProfiling`` / ``GetSnapshot`` / ``StopContinuousProfiling`` (TF 2.21):
 
-* ``StartContinuousProfiling`` answers once the worker's profiler session *is running* (probed:
-  2-3 ms per target on loopback; every target is asked at once), so no event of the block is
-  lost and nothing has to sleep; the alternative ``Profile`` RPC with a long duration +
-  ``Terminate`` gives no such acknowledgment, nor the round trip that clock alignment needs;
-* ``GetSnapshot`` returns the worker's XSpace *in the reply* (no shared file system needed
-  between hosts, unlike ``client.trace`` which makes each worker write into ``logdir`` on its own
-  disk): it stops the tracers, converts the trace, then restarts a session, which
-  ``StopContinuousProfiling`` ends.
+* ``StartContinuousProfiling`` answers once the session is running, so nothing of the block is
+  lost, nothing sleeps, and its round trip bounds the clock offset (below). ``Profile`` with a
+  long duration + ``Terminate`` gives neither;
+* ``GetSnapshot`` returns the XSpace in the reply, so hosts need no shared file system; it
+  restarts a session, which ``StopContinuousProfiling`` ends.
 
-Leaving the block sends every target its ``GetSnapshot`` and returns: the trace window ends
-there (``t_end``; what a worker records between ``t_end`` and the RPC's arrival is clipped). The
-traces come back in the background (:class:`Collection`) and the Profile waits for them when it
-is first read; a thread sends ``StopContinuousProfiling`` once each snapshot is in, whether or
-not the profile is read, and a next capture of the same servers first waits for that (at most
-10 s), since a server runs one session at a time.
+Leaving the block sends every target its ``GetSnapshot`` and returns: the window ends there
+(``t_end``). The workers convert their traces while this process goes on (:class:`Collection`);
+the Profile waits for them when first read. A thread sends ``StopContinuousProfiling`` once each
+snapshot is in, and a next capture of the same servers waits for that (a server runs one session
+at a time). This process is traced the same way, through its own TF server
+(``Cluster.client_address``): the in-process profiler returns trace-viewer events, not an XSpace.
+Every RPC has a deadline: a dead or silent worker makes the profile ``partial``, never a hang.
 
-This process is traced the same way, through the TF server that connecting started in it
-(``Cluster.client_address``): the in-process ``_pywrap_profiler.ProfilerSession.stop()`` returns
-trace-viewer events rather than an XSpace (probed), and ``tf.profiler.experimental.stop`` goes
-through files.
-Every RPC has a gRPC deadline, so a dead or silent worker, or one that dies while its trace is
-on its way, costs at most ``timeout`` seconds and makes the profile ``partial`` with the reason,
-never a hang.
+Before tfnb stops or disconnects workers it calls :func:`collect_for` (a
+``tfnb.hooks.before_workers_stop`` hook, so the cluster package never imports the profiler): a
+profile that traced them takes its traces in then (within :data:`STOP_WAIT_S` for all) and
+reads later need no worker; a block still running is stopped there.
 
-When the cluster goes away first
---------------------------------
-A worker that is stopped takes its unsent trace with it. So before tfnb stops workers
-(``Cluster.stop``/``close``, ``LocalCluster.close`` and ``restart``, and so interpreter exit,
-where each local cluster is closed) or disconnects a cluster, it calls :func:`collect_for`
-(through ``tfnb.hooks.before_workers_stop``, so the cluster package never imports the
-profiler): every finished profile that traced one of those workers takes its traces in then,
-within ``min(timeout, STOP_WAIT_S)`` seconds for all of them together, and holds them in memory;
-reading it later needs no worker. A trace not in by then makes the profile ``partial`` with a
-reason saying the cluster was stopped before it came in. A block still running when its workers
-stop is stopped there (its window ends at that moment) and collected the same way. A disconnect
-leaves the workers running: a trace still on its way after the wait keeps coming in as before.
+Clock alignment: the client notes its clock just before ``StartContinuousProfiling`` (t0) and on
+the reply (t1), so a worker's offset is ``start - (t0 + t1) / 2`` within ``(t1 - t0) / 2``.
+Offsets within that uncertainty are taken as 0; larger ones are subtracted in build.py.
 
-Overhead
---------
-Probed on the 2-core test machine (shared with other jobs), SmolLM2-135M over 2 local workers,
-48 new tokens, host tracer level 3, medians of 3 rounds. The fixed cost of a capture (0.5-0.65 s
-while the block waited for it) is the workers converting their traces inside ``GetSnapshot``:
-0.3-0.9 s per worker for 58-66k events (3.0-3.6 MB of XSpace). 82% of worker 0's events are the
-HLO ops of the XLA calls and their end markers and 14% the thread pool's own events; the TF ops
-that tfnb reads are 1%, and no ProfileOptions field drops the rest (see ``rpc.options``). The
-other parts are small: the session restart in ``GetSnapshot`` plus ``StopContinuousProfiling``
-1-4 ms (on an idle session), this process's own trace 2-9 ms (4 KB), 3.6 MB over loopback taken
-as bytes (no proto parse in Python) a few ms. ``Profile`` + ``Terminate`` is no cheaper (its
-traces arrive 0.36-0.62 s after ``Terminate``: the same conversion), and asking all workers at
-once saves little on 2 cores (0.35-0.7 s for all three): the conversions share the CPUs.
-
-So the conversion now runs after the block. In ``benchmarks/bench_profile_overhead.py`` (5
-interleaved rounds, same setup) the traced generate took 1.05x the plain one and the whole block
-1.07x (starting the sessions 6-19 ms, ending the window 3-30 ms). The deferred part, paid on the
-first read of the profile, was 0.27-0.36 s waiting for the traces plus 0.14-0.39 s parsing
-(``xplane.parse_space`` skips the HLO and thread-pool events by name, 2-3x faster than before):
-1.27x in all for a caller who reads the profile at once. TF work started before the profile is
-read shares the CPUs with the workers' conversion (probed: a generate started right after a
-block took up to 0.55 s longer).
-
-Clock alignment
----------------
-Each host stamps its trace with its own clock (``profile_start_time``). The client notes its own
-clock just before sending ``StartContinuousProfiling`` (t0) and on the reply (t1): the worker's
-session started inside [t0, t1], so its clock offset is ``start - (t0 + t1) / 2`` within
-``(t1 - t0) / 2``. Offsets inside that uncertainty (hosts sharing a clock, as in tests) are taken
-as 0; larger ones (skewed hosts) are subtracted from that worker's events (in build.py, when the
-profile is first read: nothing is parsed while the block ends).
+What a capture costs and where that time goes: see docs/profiling.md.
 """
 from __future__ import annotations
 

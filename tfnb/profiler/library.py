@@ -1,7 +1,7 @@
 """Which input of a traced node a transferred tensor is: read from the client's function library.
 
 A worker runs the *partitioned, lowered* graph of a ``tf.function``, so the node names in its
-trace are not always those of the FunctionDef the client registered (probed on TF 2.21):
+trace are not always those of the FunctionDef the client registered (TF 2.21):
 
 * a ``tf.while_loop``'s body and condition are separate functions (``while_body_645``) that the
   runtime inlines with a prefix: body node ``while/StatefulPartitionedCall_1`` of the ``While``

@@ -91,7 +91,7 @@ class Profile:
     def _fill(self, raw) -> None:
         """Take a finished capture: its raw dict, or a :class:`~tfnb.profiler.capture.Collection`
         whose traces are still coming in. Nothing waits or parses here, so that leaving the
-        profiled block costs only ending the trace window (see the overhead notes in capture.py):
+        profiled block costs only ending the trace window (see capture.py and docs/profiling.md):
         the traces are waited for when ``partial``, ``reasons`` or any table is first read."""
         if isinstance(raw, dict):
             self._raw, t_begin, t_end = raw, raw["t_begin"], raw["t_end"]

@@ -54,20 +54,16 @@ def messages() -> dict:
 
 
 def options(duration_ms: int, *, host_level: int = 2, python_level: int = 0):
-    """What each session traces. Probed for trace volume (what a worker converts when its trace
-    is collected, see capture.py): on the LLM decode loop 82% of a worker's events are XLA HLO
-    ops and their end markers and 14% the thread pool's listener, recorded at any host level
-    (level 2: 65k events, 3.4 MB; level 3: 66k, 3.5 MB); no field here filters them (the
-    ``trace_options`` filter mask only applies to TraceMe calls that pass a mask), the device
-    tracer records nothing on CPU hosts and the Python tracer stays off."""
+    """What each session traces. Most of a worker's events are XLA HLO ops and the thread
+    pool's own, at any host level, and no field here filters them (the ``trace_options`` mask
+    only applies to TraceMe calls that pass one); the device tracer records nothing on CPU hosts
+    and the Python tracer stays off. Trace volumes: see docs/profiling.md."""
     from tensorflow.tsl.profiler.protobuf import profiler_options_pb2
 
     # enable_hlo_proto: the trace's "/host:metadata" plane then holds the HLO module of every
     # live XLA executable, whose ops' metadata names the TF name scope they came from: what
-    # attributes compiled time to stages and op kinds (xplane.compiled_ops). It costs volume:
-    # probed with SmolLM2 split over 2 workers, a worker's trace grew to 8.6-11.3 MB (from
-    # 3-3.6 MB; 0.4-0.7 MB per live module), collecting it took 1.1 s (0.3-0.4 s) and the
-    # first read parses the modules in about 1 s more (remembered for later profiles).
+    # attributes compiled time to stages and op kinds (xplane.compiled_ops). It roughly
+    # triples a worker's trace (docs/profiling.md); parsed modules are remembered (xplane).
     return profiler_options_pb2.ProfileOptions(version=1, host_tracer_level=host_level,
                                                device_tracer_level=1, python_tracer_level=python_level,
                                                duration_ms=duration_ms, enable_hlo_proto=True)

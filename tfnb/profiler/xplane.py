@@ -1,6 +1,6 @@
 """Turn TensorFlow's XSpace protos into flat, aligned event records.
 
-What the traces hold (probed on TF 2.21, host tracer level 3 on CPU workers):
+What the traces hold (TF 2.21, host tracer level 3 on CPU workers):
 
 * op events are named ``"node:OpType"`` (``MatMul:MatMul``, ``MatMul/_1:_Send``) and, at level 3,
   carry a ``shape`` stat with the dtype and shape of every *input*: ``(float[8,64];float[64,64])``
@@ -125,9 +125,8 @@ _SKIP_OPCODES = _CONTAINER_OPCODES | {"parameter", "constant", "tuple", "get-tup
 
 
 _MODULES: dict = {}  # (module, size) -> compiled_ops(); each profile of the same placed model
-# carries the same modules again (0.1-0.2 s each for a SmolLM2 segment). Keyed by the
-# metadata plane's "name(program id)" and the proto's size, not its bytes: probed, a module's
-# serialized proto differs from one snapshot to the next.
+# carries the same modules again. Keyed by the metadata plane's "name(program id)" and the
+# proto's size, not its bytes: a module's serialized proto differs from one snapshot to the next.
 
 
 def module_ops(module: str, hlo_proto: bytes) -> dict[str, CompiledOp]:
@@ -148,7 +147,7 @@ def compiled_ops(hlo_proto: bytes) -> dict[str, CompiledOp]:
 
     An instruction's stage and kind come from its own name scope; a fusion without one takes
     the most common among the instructions it fuses. Some ops lose their metadata in XLA's
-    passes (probed on TF 2.21: the dots an ``einsum`` becomes, the ``reduce-window`` of a
+    passes (in TF 2.21: the dots an ``einsum`` becomes, the ``reduce-window`` of a
     softmax): those take the scope of the nearest op that uses their result (else of their
     operands). A kind no scope names is "matmul" for a dot (or a fusion of one) and tfnb's
     packed-weight ops, "copies" for data movement, else "other".
@@ -273,7 +272,8 @@ def parse_space(space, device_of, *, shift_ns: int) -> Parsed:
         hlo_names = set().union(*modules.values()) if modules else set()
         module_keys: dict = {}
         # What each event name is, decided once per name: most events of an LLM's trace are the
-        # HLO ops of its XLA calls and the thread pool's own events, which are skipped here.
+        # HLO ops of its XLA calls and the thread pool's own; HLO ops are kept only when a live
+        # module (metadata plane) names them, and every name not matched here is skipped.
         kinds: dict = {}
         for mid, md in meta.items():
             name = md.name

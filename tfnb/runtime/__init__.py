@@ -1,11 +1,16 @@
-"""Placed llama inference: stages on TF devices, one graph call per generate (or chunk).
+"""Placed llama inference: stages on TF devices, decoded in chunks, one graph call per chunk.
 
-- ``graphs``: the compiled-segment protocol (segments, their XLA functions, the generate graph);
-- ``weights``: weights and KV caches as variables on the segments' devices;
-- ``requests`` and ``session``: checking a generate call, and its client-side chunk loop;
+- ``forward``: the model's math as pure TF functions; ``graphs``: the compiled-segment protocol
+  (segments, their XLA functions, the prefill and decode graphs); ``wire``: one tensor each way
+  per call;
+- ``weights``: weights and KV caches as variables on the segments' devices; ``devices``:
+  checking an assignment of stages to devices;
+- ``requests`` and ``session``: checking a generate call, and the caller's side of it;
+- ``scheduler``: continuous batching, requests sharing lanes of KV-cache rows;
 - ``placed``: ``PlacedModel``, which ties them together; ``faults``: deadlines and liveness;
 - ``replicas``: ``ReplicatedModel``, full copies on several devices, requests spread by load;
-- ``calibrate``: stage times for the planners, with the same compiled functions.
+- ``calibrate``: stage times for the planners, with the same compiled functions;
+- ``layers``: per-layer placement of a Keras chain of layers.
 
 Examples
 --------

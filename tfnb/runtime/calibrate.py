@@ -1,41 +1,31 @@
 """How long each stage of a llama model takes on a device, timed with the runtime's own code.
 
-The planners need seconds per decode step of every stage on every device. FLOP counts alone
-mislead: decoding one token multiplies vectors by matrices, so it reads every weight once and
-does two FLOPs per weight read. Memory bandwidth bounds it, not FLOP/s. On the 2-core test machine,
-a SmolLM2 block runs at about 5 GFLOP/s, against 30 GFLOP/s or more for the square matmuls that
-measure a device's speed. So ``time_stages`` runs the runtime's compiled decode functions
+The planners need seconds per decode step of every stage on every device. FLOP counts mislead:
+decoding one token reads every weight once for two FLOPs per weight, so memory bandwidth bounds
+it, not FLOP/s. So ``time_stages`` runs the runtime's compiled decode functions
 (:func:`tfnb.runtime.graphs.segment_functions`, XLA, as ``generate`` runs them) on the device:
 
-- weights of the model's shapes and kinds (what the time depends on) with random values, made
-  once on the client and copied to each device: float32 (about 250 MB for SmolLM2), or, for a
-  model whose weights are packed (``like``), packed in the same ggml types, so the packed-weight
-  kernel is what gets timed (probed: SmolLM2 Q4_1 at batch 8 on one core, float32 calibration
-  predicted 30 tokens/s where the packed model ran 57);
-- the embedding, ``k`` consecutive blocks and the head as three segments. ``k`` blocks hold at
-  least ``stream_bytes`` (128 MB by default), more than the caches of the CPUs we know. A block
-  timed alone stays in the last-level cache: probed, one SmolLM2 block (14 MB, 32 MB L3) ran at
-  1.55 ms, eight in a row at 2.12 ms each;
+- weights of the model's shapes and kinds with random values, made once on the client and
+  copied to each device: float32, or for a packed model (``like``) the same ggml types, so the
+  packed-weight kernel is what gets timed (float32 timings mispredict a packed model);
+- the embedding, ``k`` consecutive blocks and the head as three segments. The ``k`` blocks hold
+  at least ``stream_bytes``, more than a CPU's last-level cache: one block timed alone would
+  stay in cache and run faster than in a real step;
 - each segment called ``steps`` times in a ``tf.while_loop`` on the device. A step costs
-  ``(t(1 + steps) - t(1)) / steps``, which removes the client's round trip; the calls of all
-  three segments alternate ``repeats`` times and the median of each counts. The median, not the
-  best: a timed call lasts 0.2-0.3 s, a generate call seconds, and the least disturbed of 7
-  short calls is faster than a long call runs. Probed on the 2-core machine, workers pinned
-  to one core each, SmolLM2 over 1 or 2 workers: the sum of the best times predicted 5-16%
-  less than generate measured; the median's sum came within -12% to +1%, with and without
-  a busy process sharing a worker's core.
+  ``(t(1 + steps) - t(1)) / steps``, which removes the client's round trip; the three segments'
+  calls alternate ``repeats`` times and the median of each counts. The median, not the best:
+  the least disturbed of a few short calls is faster than a long generate call runs.
 
-The caches have ``slots`` slots, and each timed step attends ``attend`` of them (all by
-default): a packed model's attention reads only the slots up to a row's current one, in place
-(``tfnb/kernels/attention.cc``), so a loop whose slot counted up from 0 timed its attention over
-a few slots only (probed on SmolLM2, 4 rows: a step over the whole model calibrated at 14.5-15.2
-ms where the runtime ran 16.1-18.1 ms, its rows attending 37-85 slots). A float32 model's
-attention reads every slot of its window, which here is the whole cache.
+The caches have ``slots`` slots and each timed step attends ``attend`` of them (default all): a
+packed model's attention reads only the slots up to a row's current one
+(``tfnb/kernels/attention.cc``), so a loop counting up from slot 0 would time too little
+attention. A float32 model's attention reads its whole window, here the whole cache.
 
-With ``prompt=P`` the loops run each segment's prefill of ``batch`` prompts of ``P`` tokens
-instead (seconds per call): what a request costs before its first token, which a served
-model pays once per request between its decode steps. ``pad`` of those tokens are left padding,
-as the runtime pads a prompt to its bucket; a packed model skips their rows, as it does there.
+With ``prompt=P`` the loops time each segment's prefill of ``batch`` prompts of ``P`` tokens
+instead (seconds per call): what a request costs before its first token. ``pad`` of those tokens
+are left padding, as the runtime pads a prompt to its bucket; a packed model skips their rows.
+
+How well calibration predicts ``generate``: see docs/placement.md.
 """
 
 from __future__ import annotations
@@ -188,9 +178,8 @@ def time_stages(config, devices, *, batch: int = 1, slots: int = 128, steps: int
 
     The devices' timed calls alternate, so their samples spread over the whole calibration
     and a slow spell of the machine falls on a few samples of each, which the median skips.
-    Each device is timed alone. Timing all at once, as a pipeline runs them, was tried: a
-    SmolLM2 block then took 0.49-0.59 ms against 0.46-0.52 alone (two one-core workers, batch
-    4), within calibration's run-to-run spread, so the figures stay each device's alone.
+    Each device is timed alone: timing all at once, as a pipeline runs them, gave the same
+    figures within calibration's run-to-run spread (docs/placement.md).
 
     Parameters
     ----------

@@ -10,7 +10,7 @@ that compiles may be allowed minutes). A hung call cannot be cancelled; its thre
 and the caller is told to reconnect and place the model again.
 
 Waiting is only possible while the helper thread does not hold the GIL. Two TF calls do hold it
-while a remote worker is silent (probed on TF 2.21 with a SIGSTOPped worker): converting a
+while a remote worker is silent (TF 2.21): converting a
 Python or numpy value to a tensor under a remote device scope (``graphs.OnDevice`` and
 ``weights`` make every value on the client first), and registering a newly traced function
 with the eager context, which sends it to every worker and waits (``TFE_ContextAddFunction``).
@@ -226,14 +226,10 @@ def _unhealthy_workers(devices: Sequence[str], timeout: float = 1.0) -> list[str
 def _lost_elsewhere(devices: Sequence[str]) -> list[str]:
     """The cluster's workers outside ``devices`` that are down or silent now.
 
-    A worker's loss can fail calls on the others. Probed on TF 2.21 with two workers: a tensor
-    made on task:1, task:1 killed, then ops on task:0 that read it fail twice, first with
-    ``UnavailableError: Failed copying input tensor from .../task:1 ...`` and then with
-    ``InvalidArgumentError: Unable to find the relevant tensor remote_handle ... from remote
-    target .../task:0``, a worker that answers; a fresh op on task:0 then runs. With four
-    workers, task:3 killed in the
-    middle of a request on tasks 2 and 3 failed a request on tasks 0 and 1 the same way (a CI
-    run of tests/test_hybrid.py).
+    A worker's loss can fail calls on the others (TF 2.21): ops on a surviving worker that
+    read a tensor the lost one made fail with ``UnavailableError: Failed copying input tensor
+    ...`` and then ``InvalidArgumentError: Unable to find the relevant tensor remote_handle
+    ...``, naming a worker that answers; a fresh op there then runs (docs/faults.md).
     """
     ours = set(_worker_addresses(devices).values())
     return _unhealthy_workers([t for t in _worker_addresses(None).values() if t not in ours])

@@ -12,7 +12,8 @@ every function here compiles under XLA with static shapes.
 Block parameters (``BlockParams``) use fused matrices: ``wqkv`` = ``[wq | wk | wv]`` (D, (H+2K)E)
 and ``w_gate_up`` = ``[w_gate | w_up]`` (D, 2F), so one block step is four matmuls. A matrix is
 a float32 (in, out) tensor, or a ``Packed`` one (GGUF blocks, one row per output channel) that
-``dense`` multiplies with tfnb's packed-weight op; packed code cannot be XLA-compiled.
+``dense`` multiplies with tfnb's packed-weight op (:mod:`tfnb.kernels`), which runs as an XLA
+custom call inside the compiled segments like every other op here.
 
 Examples
 --------
@@ -103,12 +104,8 @@ def fuse_block(weights: dict, i: int) -> dict[str, np.ndarray]:
 
 
 # From this many rows of ``x`` on (a long prefill), a packed matrix is dequantized once and
-# multiplied by XLA's dot. Probed on SmolLM2's matrices (its 30 blocks), one core: the packed
-# kernel (which decodes 4 weight rows at a time into floats and multiplies them in register
-# tiles) took 173 ms for 48 rows, 322 for 96, 1354 for 384, 2721 for 768 and 5880 for 1536;
-# dequantized first 625, 748, 1672, 2753 and 5244 ms. They cross near 800 rows. On AVX-512 the
-# kernel runs groups of 8 rows instead (tfnb/kernels/packed.cc, RowsAvx512), faster still (757 ms
-# at 384 rows against 833-881 in the tiles): the threshold stays where the tiles cross.
+# multiplied by XLA's dot: past roughly 800 rows that beats the packed kernel, which decodes the
+# weights again for every few rows (crossover measured on SmolLM2's matrices: docs/runtime.md).
 DEQUANTIZE_ROWS = 1024
 
 # The packed kernel's activations (read when a step is traced, so set it before placing):
@@ -174,11 +171,7 @@ def rope_tables(pos_BxT, head_dim, theta):
 def rope_for(pad_B, first_slot, T, cfg):
     """The rotary tables of ``T`` slots from ``first_slot`` (:func:`positions`), which every
     block of a call shares. A call makes them once and hands them to each block: made inside
-    each block, XLA computed them once per block, 30 times a SmolLM2 step (``sincosf`` held
-    1.3% of a 4-row step's profile; made once per call at full width, 0.9%; each half once, as
-    here, none). Probed on one one-core worker (Zen 4, alternated processes): a 37-token prompt
-    prefilled in 107-110 ms against 112-120, a decode step of 2 rows took 12.2-13.0 ms against
-    12.9-13.3, of 4 rows 17.8-18.5 against 18.0-20.1."""
+    each block, XLA would compute them again for every block (docs/runtime.md)."""
     return rope_tables(positions(pad_B, first_slot, T), cfg.head_dim, cfg.rope_theta)
 
 
@@ -310,14 +303,13 @@ def block_decode(x_Bx1xD, p: BlockParams, cache_k, cache_v, pad_B, slot, cfg, wi
     B, S = x_Bx1xD.shape[0], window or cache_k.shape[2]
     if is_packed(p.wqkv):
         # tfnb's ops are on this device (tfnb.runtime.weights.check_packed_ops): attention
-        # reads the caches in place, 2.1x faster than gathering the window at 128 slots
-        # (tfnb/kernels/attention.cc); float32 models keep the plain TF ops below
+        # reads the caches in place instead of gathering the window (tfnb/kernels/attention.cc;
+        # docs/runtime.md); float32 models keep the plain TF ops below
         attn_BxHE = _decode_attention(q_Bx1xHxE[:, 0], cache_k.read_value(),
                                       cache_v.read_value(), pad_B, slot, S)
         return _mlp_residual(x_Bx1xD, attn_BxHE[:, None], p, cfg, read_Bx1x1)
-    # The rows are gathered, not sliced: probed on TF 2.21's XLA:CPU (30 caches of SmolLM2's
-    # shape, 8 rows, one core), reading rows [:B] of the updated cache made XLA copy every cache
-    # in full each step for any 1 < B (about 40 ms, 3-5x a decode step), gathering them did not.
+    # The rows are gathered, not sliced: on TF 2.21's XLA:CPU, reading rows [:B] of the updated
+    # cache makes XLA copy every cache in full each step for any 1 < B; a gather does not.
     with tf.name_scope("kv_cache"):
         rows_B = tf.range(B)
         k_BxKxSxE = tf.gather(cache_k.read_value()[:, :, :S], rows_B)

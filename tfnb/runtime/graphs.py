@@ -281,11 +281,8 @@ def unrolled_decode(segs, fns, mode: str, window: int | None, steps: int) -> "On
     them every step: the head's worker computes the condition and sends it to every other
     worker, which only then starts the step and asks for its inputs, so each hop is a
     condition and a tensor in turn. Unrolled, every receive of the chunk is posted when the
-    graph starts, and a step's tensors flow on as soon as they are made. Probed on TF 2.21,
-    SmolLM2 split over two local one-core workers, 4 rows: 27-32 ms per step looped against
-    23-24 unrolled (same tokens), each worker's CPU time 1.55-1.66 s against 1.82-2.03 s for
-    128 tokens; a profile of the loop showed
-    3-4 ms per step between one worker's stage ending and the other's starting. The price:
+    graph starts, and a step's tensors flow on as soon as they are made (faster per step:
+    docs/runtime.md). The price:
     rows that all finish early still run the chunk out (they emit padding), so the scheduler
     keeps chunks to powers of two and no longer than ``CHUNK_STEPS``.
     """
@@ -343,8 +340,8 @@ class OnDevice:
 
     The arguments become tensors on the client's own CPU first. Converting a Python or numpy
     value under a remote device scope blocks in C++ while holding the GIL until the worker
-    answers (probed on TF 2.21: with the worker SIGSTOPped the whole process froze, while the
-    same call with client-side tensors waited with the GIL free, so deadlines can fire).
+    answers (TF 2.21: with the worker stopped the whole process freezes, while the same call
+    with client-side tensors waits with the GIL free, so deadlines can fire).
     """
 
     def __init__(self, fn, device: str):

@@ -1,22 +1,15 @@
 """One tensor each way per call: a function's arguments travel to its worker as one byte
 vector, and its results come back as one.
 
-TF's eager runtime copies each argument of a call on a remote device to that device in a round
-trip of its own before the call starts, and fetches each result in another once it ends; each
-also costs the worker's CPU. Probed on TF 2.21 with one local worker pinned to one core, a
-function of 7 small arguments and 5 small results cost 10.4-10.8 ms a call, 7.3-7.7 ms of the
-client's CPU and 4.7-5.1 ms of the worker's; with 2 arguments and 1 result, 3.1-3.4, 2.3-2.5
-and 1.3-1.5 ms. A scheduler lane's decode chunk has 7 arguments and 5 results.
+TF 2.21's eager runtime copies each argument of a call on a remote device to that device in a
+round trip of its own before the call starts, and fetches each result in another once it ends,
+each also costing the worker's CPU; a scheduler lane's decode chunk has 7 arguments and 5
+results, so packing them saves most of a call's overhead (docs/runtime.md).
 
 After its first call a packed function is called through its one concrete function
 (:meth:`Packed.run`), not through ``tf.function``'s lookup, which hashes the types of the
-arguments and of every captured variable on each call. Probed on the Zen 4 machine with SmolLM2
-on one one-core worker (one lane, 42 calls of 4 decode steps): the calling thread's CPU per
-call fell from 2.4-2.6 ms to 1.9, the whole client's from 4.3 to 3.3-3.6. The client shares
-the cores with two workers, so this counts: in served rounds of 8 clients, alternated in
-separate processes, the client used 4.4% of a core in the replicas' rounds against 5.2-5.5%,
-and the replicas gave 1.71x one worker (281.6 and 285.4 tokens/s) against 1.67-1.69x (278.7
-and 281.6).
+arguments and of every captured variable on each call: client CPU matters, since the client
+shares the cores with the workers (docs/runtime.md).
 
 :class:`Packed` wraps a ``tf.function`` for one argument signature (:func:`signature`): its
 graph slices the arguments out of the bytes :func:`pack` made, calls the function, and returns
@@ -135,7 +128,7 @@ class Packed:
         A ``tf.function`` call looks its graph up by the types of its arguments and of every
         variable it captures, hashing each of them on every call; a placed model's function
         captures a few hundred (weights and caches). The signature here never changes, so
-        there is one graph to run (see the module docstring for what the lookup cost)."""
+        there is one graph to run (what the lookup cost: docs/runtime.md)."""
         return self.concrete(blob)(blob)
 
     def unpack(self, buf: np.ndarray):
