@@ -1,11 +1,14 @@
-"""tfnb's TensorFlow ops, compiled from ``packed.cc`` and ``attention.cc`` on first use.
+"""tfnb's TensorFlow ops, compiled from this package's C++ files on first use.
 
 ``TfnbPackedMatMul`` computes ``x @ dequantize(w).T`` straight from a GGUF file's blocks,
 ``TfnbPackedDequantize`` turns packed rows into float32 (embedding lookups) and
 ``TfnbDecodeAttention`` attends one new token per row over the KV caches in place. The library is
-built against the installed TensorFlow's headers (``tf.sysconfig``) with the system's C++
-compiler into a cache directory keyed by the source, the TensorFlow version and the flags
-(``$TFNB_KERNEL_DIR``, default ``~/.cache/tfnb/kernels``); ``scripts/setup`` builds it once.
+built from every ``.cc`` file here (``packed_op.cc`` and its per-instruction-set kernels,
+``attention.cc``) against the installed TensorFlow's headers (``tf.sysconfig``) with the
+system's C++ compiler, in one command with one set of flags (the x86 kernels carry target
+attributes instead), into a cache directory keyed by every ``.cc`` and ``.h`` file here, the
+TensorFlow version and the flags (``$TFNB_KERNEL_DIR``, default ``~/.cache/tfnb/kernels``);
+``scripts/setup`` builds it once. ``docs/kernels.md`` describes the kernels.
 The client loads it to build graphs and every ``tfnb worker`` loads it to run them.
 
 Examples
@@ -20,6 +23,7 @@ TensorShape([2, 3])
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import os
 import shutil
@@ -34,9 +38,9 @@ __all__ = ["QTYPES", "row_bytes", "library", "build", "packed_matmul", "packed_d
 QTYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
 OP_NAMES = ("TfnbPackedMatMul", "TfnbPackedDequantize", "TfnbDecodeAttention")
 _BLOCK_BYTES = {2: 18, 3: 20, 8: 34}   # bytes per block of 32 values
-_SOURCES = tuple(os.path.join(os.path.dirname(__file__), name)
-                 for name in ("packed.cc", "attention.cc"))
-_HEADERS = (os.path.join(os.path.dirname(__file__), "xla_host.h"),)
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_SOURCES = tuple(sorted(glob.glob(os.path.join(_HERE, "*.cc"))))
+_HEADERS = tuple(sorted(glob.glob(os.path.join(_HERE, "*.h"))))
 _lock = threading.Lock()
 _loaded = None
 _isa = None
@@ -73,7 +77,8 @@ def _flags() -> list[str]:
 def _library_path() -> str:
     import tensorflow as tf
     digest = hashlib.sha256()
-    for source in _SOURCES + _HEADERS:
+    for source in _SOURCES + _HEADERS:  # names too: a renamed file is a different build
+        digest.update(os.path.basename(source).encode() + b"\0")
         with open(source, "rb") as f:
             digest.update(f.read())
     key = hashlib.sha256(digest.digest() + tf.__version__.encode()
@@ -103,7 +108,8 @@ def build(force: bool = False) -> str:
                               text=True, timeout=600)
         if done.returncode:
             errors = [line for line in done.stderr.splitlines() if "error" in line]
-            raise KernelBuildError(f"building {' and '.join(_SOURCES)} with {cxx} failed: "
+            names = ", ".join(os.path.basename(source) for source in _SOURCES)
+            raise KernelBuildError(f"building {names} (in {_HERE}) with {cxx} failed: "
                                    + "\n".join(errors[:5] or done.stderr.splitlines()[-5:]))
         os.replace(tmp, path)  # atomic: a concurrent builder or loader sees all or nothing
     finally:
@@ -123,7 +129,7 @@ def library():
             global _isa
             path = build()
             library = tf.load_op_library(path)
-            native = ctypes.CDLL(path)  # the same loaded copy; see packed.cc
+            native = ctypes.CDLL(path)  # the same loaded copy; see packed_op.cc
             native.tfnb_register_xla_kernels()
             native.tfnb_packed_isa.restype = ctypes.c_char_p
             _isa = native.tfnb_packed_isa().decode()
@@ -154,8 +160,9 @@ def packed_matmul(x_NxC, w_MxR, qtype: int, cols: int, activations: str = "float
     ``activations="int8"`` first rounds each row of ``x`` to blocks of 32 int8 values with a
     float scale ``max|x| / 127`` (as llama.cpp's Q8 activations) and multiplies with integer
     dot products for Q4_0, Q4_1 and Q8_0 weights, exact for the rounded ``x`` (each value moves
-    by at most half its block's scale). It was faster on a CPU without AVX-512; on two with it,
-    no faster at 1 row and slower from 4 rows (``benchmarks/results/kernel.md``). F32 and F16
+    by at most half its block's scale). It is faster where the float route runs its AVX2 code
+    (``benchmarks/results/kernel_avx2.md``); where it runs AVX-512, no faster at 1 row and
+    slower from 4 rows (``benchmarks/results/kernel.md``; ``docs/kernels.md``). F32 and F16
     weights ignore it.
     """
     if activations not in ACTIVATIONS:

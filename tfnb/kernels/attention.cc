@@ -16,12 +16,8 @@
 // a float sum (partial sums in a 16-lane array), built for AVX-512, AVX2 and the baseline
 // behind one function the dynamic loader picks (GCC's target_clones).
 //
-// Probed on the 2-core test machine (Xeon, AVX-512), one core, 30 layers of SmolLM2's caches
-// (8 rows x 3 KV heads x 256 slots x 64) in one XLA function, every slot of the window
-// visible: 4.5-5.2 ms per step at a 64-slot window against 8.3-9.4 gathering the window,
-// 8.2 against 17.3-17.6 at 128, 13.8-14.8 against 33.0-34.8 at 256, where writing the new
-// keys alone takes 1.0-1.7 ms. That is about 7 GB/s of keys and values, what one core of that
-// machine streams (the packed matmuls' weights at batch 1 too).
+// Without the gather, a step's attention streams the keys and values about as fast as one core
+// reads memory, where the gathered window cost about as much again (docs/kernels.md).
 
 #include <algorithm>
 #include <cmath>

@@ -1,4 +1,4 @@
-// What tfnb's XLA custom calls share (packed.cc, attention.cc): running a loop on XLA's own
+// What tfnb's XLA custom calls share (packed_op.cc, attention.cc): running a loop on XLA's own
 // thread pool, row-major shapes for a custom call's operands and result, and registering an
 // op's XLA kernel after TF has made its own.
 #ifndef TFNB_KERNELS_XLA_HOST_H_
@@ -67,7 +67,8 @@ tensorflow::OpKernel* Create(tensorflow::OpKernelConstruction* ctx) { return new
 // per process. If that has not happened yet, the first call below does it (ours included); if
 // it has, op's was missed and is registered here, as kernel K. This cannot run while the
 // library loads (TF registers a library's ops only after its static initializers):
-// tfnb_register_xla_kernels (packed.cc), which tfnb.kernels calls right after loading, does.
+// tfnb_register_xla_kernels (packed_op.cc), which tfnb.kernels calls right after loading,
+// does.
 template <typename K>
 void RegisterXlaKernelLate(const char* op, const char* kernel) {
   tensorflow::XlaOpRegistry::RegisterCompilationKernels();
@@ -80,7 +81,7 @@ void RegisterXlaKernelLate(const char* op, const char* kernel) {
 }  // namespace xla_host
 
 namespace attention {
-void RegisterXlaKernelLate();  // attention.cc's, called by packed.cc's tfnb_register_xla_kernels
+void RegisterXlaKernelLate();  // attention.cc's, called by tfnb_register_xla_kernels
 }  // namespace attention
 }  // namespace tfnb
 
