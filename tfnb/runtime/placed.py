@@ -36,8 +36,10 @@ from tfnb.runtime.faults import call_with_deadline
 from tfnb.runtime.graphs import Program, segment_functions
 from tfnb.runtime.requests import (GenerateOptions, GenerateRequest, make_batch, prompt_ids,
                                    with_options_signature)
-from tfnb.runtime.scheduler import MAX_ROWS, RECENT, SAMPLING_MODES, Scheduler
+from tfnb.runtime.scheduler import Scheduler
 from tfnb.runtime.session import GenerateSession
+from tfnb.runtime.slots import MAX_ROWS
+from tfnb.runtime.tickets import RECENT, SAMPLING_MODES
 from tfnb.runtime.weights import (check_packed_ops, check_weights, kv_caches, param_variables,
                                   segment_params)
 
@@ -528,7 +530,7 @@ def warm_up(models: list[PlacedModel], modes, prompt_tokens, wait: bool,
         raise WorkerLostError(models[0].lost)
     models = alive
     lanes = [lane for pm in models for lane in pm.scheduler.lanes]
-    t0, before = time.perf_counter(), sum(lane.warmed for lane in lanes)
+    t0, before = time.perf_counter(), sum(lane.warmup.compiled for lane in lanes)
     queued = sum(pm.scheduler.warmup(modes, prompt_tokens) for pm in models)
     if wait:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -540,7 +542,7 @@ def warm_up(models: list[PlacedModel], modes, prompt_tokens, wait: bool,
             for pm in models:
                 pm.cancel_warmup()
             raise
-    return {"queued": queued, "compiled": sum(lane.warmed for lane in lanes) - before,
+    return {"queued": queued, "compiled": sum(lane.warmup.compiled for lane in lanes) - before,
             "left": sum(pm.scheduler.warming() for pm in models),
             "seconds": round(time.perf_counter() - t0, 1)}
 
