@@ -27,14 +27,15 @@ import time
 from contextlib import contextmanager
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import ipywidgets as W  # noqa: E402
+import ipywidgets as W
 
-from _results import write_results  # noqa: E402
-from tfnb.models import Model  # noqa: E402
-from tfnb.models.decoder import LlamaConfig  # noqa: E402
-from tfnb.notebook.widgets import PlacementEditor  # noqa: E402
-from tfnb.notebook.widgets import placement as editor_module  # noqa: E402
-from tfnb.placement import Topology  # noqa: E402
+from tfnb.models import Model
+from tfnb.models.decoder import LlamaConfig
+from tfnb.notebook.widgets import PlacementEditor
+from tfnb.notebook.widgets import placement as editor_module
+from tfnb.placement import Topology
+
+from _results import write_results
 
 STAGES, DEVICES = (32, 80, 200), (2, 4, 8)
 TARGET_MS = 100.0
@@ -155,7 +156,7 @@ def run(repeat: int) -> tuple[list[dict], dict]:
 def markdown(results, fragmented, repeat) -> str:
     worst = max(r["edit_ms"] for r in results if r["stages"] == 200 and r["devices"] == 8)
     lines = [
-        "# Placement editor: one range edit (median of %d)" % repeat, "",
+        f"# Placement editor: one range edit (median of {repeat})", "",
         "One device's last stage moved by one (its field's value, as the browser sets it): the "
         "next device's first stage follows, then the prediction, the dataflow picture, the bars "
         "and the figures are redone and every widget message is serialized. Per-stage detail "

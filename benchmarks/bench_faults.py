@@ -108,8 +108,8 @@ class Bench:
 
     def health(self) -> str:
         """``cluster.status()`` in a few words, and whether the placement refuses calls now."""
-        bad = [f"worker {i} {s}" for i, s in enumerate(self.cluster.status(timeout=1.0).states.values())
-               if s != "up"]
+        states = self.cluster.status(timeout=1.0).states.values()
+        bad = [f"worker {i} {s}" for i, s in enumerate(states) if s != "up"]
         return f"status(): {', '.join(bad) or 'all up'}; placement refuses calls: " + \
             ("yes" if self.placed.lost else "no")
 
@@ -150,12 +150,14 @@ class Bench:
 
     def mid_stream(self, case, fault, bound, how="SIGCONT"):
         """A compiled streaming call; after its first chunk ``fault()`` (a context), the rest."""
-        stream = self.placed.generate_ids(PROMPT, max_new_tokens=NEW, chunk_tokens=CHUNK, stream=True)
+        stream = self.placed.generate_ids(PROMPT, max_new_tokens=NEW, chunk_tokens=CHUNK,
+                                          stream=True)
         assert next(stream) == self.expected[:CHUNK]
         with fault():
             outcome, took = timed(lambda: list(stream))
             state = self.health()
-        self.add(case, 60.0, outcome, took, bound, self.names(1), f"{state}; {self.recover(1, how)}")
+        self.add(case, 60.0, outcome, took, bound, self.names(1),
+                 f"{state}; {self.recover(1, how)}")
 
     @contextlib.contextmanager
     def killed(self, task):
@@ -170,8 +172,8 @@ class Bench:
 
     def unreachable(self, case, address, timeout=2.0):
         """``tfnb.connect`` to worker 0 and a bad address: refused with nothing changed."""
-        outcome, took = timed(lambda: self.tfnb.connect({"worker": [self.workers.addresses[0], address]},
-                                                       timeout=timeout))
+        spec = {"worker": [self.workers.addresses[0], address]}
+        outcome, took = timed(lambda: self.tfnb.connect(spec, timeout=timeout))
         same = "yes" if self.generate() == self.expected else "NO"
         self.add(case, timeout, outcome, took, timeout + 1.0, [address],
                  f"{self.health()}; the connected cluster still generates the same tokens: {same}")
@@ -186,8 +188,12 @@ class Bench:
 
         case = "link to worker 1 cut (network namespace), mid-stream"
         if netns.unavailable():
-            return self.add(case, 60.0, f"not run: {netns.unavailable()}", 0.0, None, None, "not run")
-        ip = lambda cmd, ns=None: netns._ip(*cmd.split(), ns=ns)  # noqa: E731
+            return self.add(case, 60.0, f"not run: {netns.unavailable()}", 0.0, None, None,
+                            "not run")
+
+        def ip(cmd, ns=None):
+            return netns._ip(*cmd.split(), ns=ns)
+
         spec = {"worker": [f"{SUBNET}.1:{free_ports(1)[0]}", f"{SUBNET}.11:2222"]}
         procs = []
         try:
@@ -202,17 +208,20 @@ class Bench:
                     procs.append(subprocess.Popen(prefix + [
                         sys.executable, "-m", "tfnb.cluster.worker", "--cluster", json.dumps(spec),
                         "--task", str(task), "--watch-stdin", "--parent-pid", str(os.getpid())],
-                        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL))
                 deadline = time.monotonic() + 60  # until both serve
                 while any(r.state != "up" for r in probe_all(spec["worker"], 2.0)):
                     assert time.monotonic() < deadline, "the workers did not start in 60 s"
                     time.sleep(1)
             except Exception as e:  # noqa: BLE001 - the machine refused, not tfnb
-                return self.add(case, 60.0, f"not run: setup failed: {e}", 0.0, None, None, "not run")
+                return self.add(case, 60.0, f"not run: setup failed: {e}", 0.0, None, None,
+                                "not run")
             cluster = self.cluster = self.tfnb.connect(spec, timeout=5.0)
             self.placed = self.place()
             before = "yes" if self.generate() == self.expected else "NO"
-            stream = self.placed.generate_ids(PROMPT, max_new_tokens=NEW, chunk_tokens=CHUNK, stream=True)
+            stream = self.placed.generate_ids(PROMPT, max_new_tokens=NEW, chunk_tokens=CHUNK,
+                                              stream=True)
             next(stream)
             ip(f"link set {NS}r down")  # the cut: packets to and from worker 1 are dropped
             outcome, took = timed(lambda: list(stream))
@@ -243,9 +252,10 @@ class Bench:
             self.stop_then_call(f"SIGSTOP worker 1, then a call ({name})", 1,
                                 lambda kw=kw: self.placed.generate_ids(**kw, chunk_tokens=CHUNK))
         self.stop_then_call("SIGSTOP worker 0, then a call (compiled shape)", 0,
-                            lambda: self.placed.generate_ids(**compiled, chunk_tokens=CHUNK), timeout=5.0)
-        self.mid_stream("SIGSTOP worker 1 during a compiled streaming call", lambda: self.stopped(1),
-                        LIVENESS_S)
+                            lambda: self.placed.generate_ids(**compiled, chunk_tokens=CHUNK),
+                            timeout=5.0)
+        self.mid_stream("SIGSTOP worker 1 during a compiled streaming call",
+                        lambda: self.stopped(1), LIVENESS_S)
         self.stop_then_call("SIGSTOP worker 1, then `tfnb.place`", 1, lambda: self.place())
         self.mid_stream("SIGKILL worker 1 mid-stream", lambda: self.killed(1), 5.0, "restart")
         self.restart_then_call()
@@ -254,7 +264,7 @@ class Bench:
             silent.bind(("127.0.0.1", 0))
             silent.listen()
             self.unreachable("`tfnb.connect` with a port that never answers",
-                             "127.0.0.1:%d" % silent.getsockname()[1])
+                             f"127.0.0.1:{silent.getsockname()[1]}")
         self.cut_link()
 
 
@@ -269,15 +279,18 @@ def write(rows):
     yn = {True: "yes", False: "**no**", None: "-"}
     for r in rows:
         bound = "" if r["bound_s"] is None else f" (< {r['bound_s']:g})"
-        md.append(f"| {r['case']} | {r['timeout_s']:g} | {r['gets'].replace('|', '/')} | {r['seconds']:.2f} "
-                  f"| {yn[r['bounded']]}{bound} | {yn[r['names_worker']]} | {r['state']} |")
-    md += ["", "*names the worker*: its task or address appears in the whole message (`faults.json` "
-           "has the first 600 characters of each). *placement refuses calls*: the placed model that "
-           "saw the fault says it is lost (`placed.lost`) instead of trying again."]
+        md.append(f"| {r['case']} | {r['timeout_s']:g} | {r['gets'].replace('|', '/')} "
+                  f"| {r['seconds']:.2f} | {yn[r['bounded']]}{bound} | {yn[r['names_worker']]} "
+                  f"| {r['state']} |")
+    md += ["", "*names the worker*: its task or address appears in the whole message "
+           "(`faults.json` has the first 600 characters of each). *placement refuses calls*: the "
+           "placed model that saw the fault says it is lost (`placed.lost`) instead of trying "
+           "again."]
     from _results import write_results
 
-    write_results("faults", "\n".join(md) + "\n", {"rows": rows, "liveness_bound_s": LIVENESS_S,
-                                                  "resume_s": RESUME_S, "case_limit_s": CASE_LIMIT_S})
+    write_results("faults", "\n".join(md) + "\n",
+                  {"rows": rows, "liveness_bound_s": LIVENESS_S, "resume_s": RESUME_S,
+                   "case_limit_s": CASE_LIMIT_S})
 
 
 def main():

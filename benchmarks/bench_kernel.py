@@ -35,11 +35,11 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from _results import RESULTS, write_results  # noqa: E402
+from tfnb.bench import machine
 
-from tfnb.bench import machine  # noqa: E402
+from _results import RESULTS, write_results
 
 LAYERS = 30
 SHAPES = {  # name -> (rows out M, columns in C, how many per step)
@@ -106,11 +106,12 @@ def bench_shapes(qtype_name: str, repeat: int, rng) -> list[dict]:
         reps = max(7, min(repeat, int(repeat * 2e6 / (M * C))))
         for N in NS:
             x = tf.constant(rng.standard_normal((N, C)).astype(np.float32))
-            eager = {r: (lambda r=r: kernels.packed_matmul(x, w, qtype, C, r).numpy())
-                     for r in ROUTES}
-            xla_fns = {r: tf.function(lambda x, w, r=r: kernels.packed_matmul(x, w, qtype, C, r),
-                                      jit_compile=True) for r in ROUTES}
-            xla = {r: (lambda r=r: xla_fns[r](x, w).numpy()) for r in ROUTES}
+            eager = {r: (lambda r=r, x=x, w=w, C=C:
+                         kernels.packed_matmul(x, w, qtype, C, r).numpy()) for r in ROUTES}
+            xla_fns = {r: tf.function(lambda x, w, r=r, C=C:
+                                      kernels.packed_matmul(x, w, qtype, C, r), jit_compile=True)
+                       for r in ROUTES}
+            xla = {r: (lambda r=r, fns=xla_fns, x=x, w=w: fns[r](x, w).numpy()) for r in ROUTES}
             yf, yi = eager["float32"](), eager["int8"]()
             res = {"shape": name, "M": M, "C": C, "N": N,
                    "rel_rms_err": float(np.sqrt(np.mean((yi - yf) ** 2) / np.mean(yf ** 2))),
@@ -138,7 +139,9 @@ def bench_model(qtype_name: str, repeat: int, rng) -> list[dict]:
     D, F = SHAPES["o"][0], SHAPES["down"][1]
 
     def step(x_NxD, route):
-        mm = lambda x, w, C: kernels.packed_matmul(x, w, qtype, C, route)  # noqa: E731
+        def mm(x, w, C):
+            return kernels.packed_matmul(x, w, qtype, C, route)
+
         h = x_NxD
         for p in layers:
             h = h + 1e-3 * mm(h, p["qkv"], D)[:, :D]
@@ -151,7 +154,7 @@ def bench_model(qtype_name: str, repeat: int, rng) -> list[dict]:
     fns = {r: tf.function(lambda x, r=r: step(x, r), jit_compile=True) for r in ROUTES}
     for N in NS:
         x = tf.constant(rng.standard_normal((N, D)).astype(np.float32))
-        res = {"N": N, **interleaved({r: (lambda r=r: fns[r](x).numpy()) for r in ROUTES},
+        res = {"N": N, **interleaved({r: (lambda r=r, x=x: fns[r](x).numpy()) for r in ROUTES},
                                      max(5, repeat // 4))}
         out.append(res)
         print(f"model N={N}: " + "  ".join(f"{r} {res[r]['cpu_ms']:.1f} ms (wall "
@@ -244,7 +247,8 @@ def markdown(qtype_name: str, shapes: list[dict], model: list[dict], cpu: int,
                      f"{tot['float32'] / tot['int8']:.2f}x |")
     lines += ["", "## Per shape (ms per call)", "",
               "| shape | M x C | N | eager float32 | eager int8 | speedup | XLA float32 | "
-              "XLA int8 | speedup | int8 rel. rms err |", "|---|---|---|---|---|---|---|---|---|---|"]
+              "XLA int8 | speedup | int8 rel. rms err |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for s in shapes:
         ef, ei = s["eager_float32"]["cpu_ms"], s["eager_int8"]["cpu_ms"]
         xf, xi = s["xla_float32"]["cpu_ms"], s["xla_int8"]["cpu_ms"]

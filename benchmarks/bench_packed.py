@@ -71,8 +71,8 @@ def bench_tfnb(models, new: int, repeat: int) -> list[dict]:
                     placed = tfnb.place(model, cluster.devices[:1], cluster)
                 placed.eos_ids = ()  # every configuration makes exactly `new` tokens
                 for B in (1, 8):
-                    rate = best_rate(lambda: placed.generate_ids([PROMPT] * B, max_new_tokens=new),
-                                     B * new, repeat)
+                    rate = best_rate(lambda placed=placed, B=B: placed.generate_ids(
+                                         [PROMPT] * B, max_new_tokens=new), B * new, repeat)
                     rows.append({"runner": f"tfnb {weights}", "where": topo, "batch": B,
                                  "tokens_per_s": rate, "bytes": bytes_per_worker(placed)})
                     print(rows[-1], flush=True)
@@ -92,8 +92,8 @@ def bench_hf(model, new: int, repeat: int) -> list[dict]:
     rows = []
     for B in (1, 8):
         ids = tf.constant([PROMPT] * B, tf.int32)
-        rate = best_rate(lambda: generate(ids, max_new_tokens=new, do_sample=False,
-                                          pad_token_id=0), B * new, repeat)
+        rate = best_rate(lambda ids=ids: generate(ids, max_new_tokens=new, do_sample=False,
+                                                  pad_token_id=0), B * new, repeat)
         rows.append({"runner": "HF XLA generate", "where": "client, 2 cores", "batch": B,
                      "tokens_per_s": rate, "bytes": {}})
         print(rows[-1], flush=True)
@@ -207,8 +207,8 @@ def bench_at_scale(new: int, repeat: int, float32: bool) -> list[dict]:
                 place_s = time.perf_counter() - t
                 assert len(set(placed.assignment.values())) == 2, "the cap did not split"
                 placed.eos_ids = ()
-                rate = best_rate(lambda: placed.generate_ids([PROMPT], max_new_tokens=new),
-                                 new, repeat)
+                rate = best_rate(lambda placed=placed: placed.generate_ids(
+                                     [PROMPT], max_new_tokens=new), new, repeat)
                 rows.append({"runner": f"tfnb {weights}", "batch": 1,
                              "where": "TinyLlama-1.1B shape, random Q4_0, 2 workers, 1 core each",
                              "tokens_per_s": rate, "bytes": bytes_per_worker(placed),

@@ -262,9 +262,10 @@ def main(argv=None) -> None:
     ap.add_argument("--repeat", type=int, default=8)
     ap.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
     a = ap.parse_args(argv)
-    from _results import write_results
     from tfnb.bench import machine
     from tfnb.cluster.security import ExposedServerWarning
+
+    from _results import write_results
 
     warnings.simplefilter("ignore", ExposedServerWarning)
     results = []

@@ -19,10 +19,11 @@ import warnings
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from _results import write_results  # noqa: E402
-from tfnb.errors import PlacementError  # noqa: E402
-from tfnb.models import LayerChain, Stage  # noqa: E402
-from tfnb.placement import Topology, plan  # noqa: E402
+from tfnb.errors import PlacementError
+from tfnb.models import LayerChain, Stage
+from tfnb.placement import Topology, plan
+
+from _results import write_results
 
 MB = 10**6
 BATCH, CONTEXT = 8, 1024

@@ -67,19 +67,21 @@ def measure(placed, prompt_ids, new: int, repeat: int, host_level: int, cluster)
                 rows = prof.transfers()
                 parse.append(time.perf_counter() - t4)
                 w0, w1 = placed.devices[:2]
-                fwd = [r for r in prof.transfer_edges() if (r["source"], r["destination"]) == (w0, w1)]
+                fwd = [r for r in prof.transfer_edges()
+                       if (r["source"], r["destination"]) == (w0, w1)]
+                keys = ("source", "destination", "bytes", "count", "unknown")
                 per_token.append({"steps": len(out) - 1, "partial": partial,
-                                  "loop_edges": [(r["tensor"], r["count"], r["bytes_each"]) for r in fwd
-                                                 if r["count"] == len(out) - 1],
-                                  "transfers": [{k: r[k] for k in ("source", "destination", "bytes", "count", "unknown")}
-                                                for r in rows]})
+                                  "loop_edges": [(r["tensor"], r["count"], r["bytes_each"])
+                                                 for r in fwd if r["count"] == len(out) - 1],
+                                  "transfers": [{k: r[k] for k in keys} for r in rows]})
             assert len(out) == new, (kind, len(out))
     med = statistics.median
     waited = [b + c for b, c in zip(block, collect)]
-    return {"host_tracer_level": host_level, "plain_s": plain, "traced_s": traced, "block_s": block,
-            "start_s": start, "stop_s": stop, "collect_s": collect, "parse_s": parse,
-            "plain_median_s": med(plain), "traced_median_s": med(traced), "block_median_s": med(block),
-            "start_median_s": med(start), "stop_median_s": med(stop), "collect_median_s": med(collect),
+    return {"host_tracer_level": host_level, "plain_s": plain, "traced_s": traced,
+            "block_s": block, "start_s": start, "stop_s": stop, "collect_s": collect,
+            "parse_s": parse, "plain_median_s": med(plain), "traced_median_s": med(traced),
+            "block_median_s": med(block), "start_median_s": med(start),
+            "stop_median_s": med(stop), "collect_median_s": med(collect),
             "parse_median_s": med(parse), "block_collect_median_s": med(waited),
             "traced_ratio": med(traced) / med(plain), "block_ratio": med(block) / med(plain),
             "block_collect_ratio": med(waited) / med(plain),
@@ -87,28 +89,33 @@ def measure(placed, prompt_ids, new: int, repeat: int, host_level: int, cluster)
 
 
 def to_markdown(res: dict) -> str:
-    lines = [f"# Profile overhead: SmolLM2-135M, 2 local workers, {res['new_tokens']} new tokens, greedy, batch 1",
-             "", f"{res['machine']}; medians of {res['repeat']} interleaved rounds; {res['when']}.", "",
+    lines = [f"# Profile overhead: SmolLM2-135M, 2 local workers, {res['new_tokens']} new "
+             "tokens, greedy, batch 1", "",
+             f"{res['machine']}; medians of {res['repeat']} interleaved rounds; {res['when']}.",
+             "",
              "| host tracer level | plain s | traced call s | ratio | whole `with` block s | ratio "
              "| collect s (deferred) | parse s (deferred) | block + collect s | ratio |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["runs"]:
-        lines.append(f"| {r['host_tracer_level']} | {r['plain_median_s']:.3f} | {r['traced_median_s']:.3f} | "
-                     f"{r['traced_ratio']:.3f}x | {r['block_median_s']:.3f} | {r['block_ratio']:.3f}x | "
+        lines.append(f"| {r['host_tracer_level']} | {r['plain_median_s']:.3f} | "
+                     f"{r['traced_median_s']:.3f} | {r['traced_ratio']:.3f}x | "
+                     f"{r['block_median_s']:.3f} | {r['block_ratio']:.3f}x | "
                      f"{r['collect_median_s']:.3f} | {r['parse_median_s']:.3f} | "
                      f"{r['block_collect_median_s']:.3f} | {r['block_collect_ratio']:.3f}x |")
     r = res["runs"][-1]
-    lines += ["", f"Inside the block: starting the sessions {r['start_median_s'] * 1e3:.0f} ms, ending the trace "
-              f"window {r['stop_median_s'] * 1e3:.0f} ms (medians). `collect` and `parse` run on the first read of "
-              "the profile (here right after the block): the workers convert and send their traces after the "
-              "window has ended, while this process goes on."]
+    lines += ["", f"Inside the block: starting the sessions {r['start_median_s'] * 1e3:.0f} ms, "
+              f"ending the trace window {r['stop_median_s'] * 1e3:.0f} ms (medians). `collect` and "
+              "`parse` run on the first read of the profile (here right after the block): the "
+              "workers convert and send their traces after the window has ended, while this "
+              "process goes on."]
     chk = res["runs"][-1]["check"]
     lines += ["", f"Transfers in the last traced call ({chk['steps']} decode steps):", ""]
     for t in chk["transfers"]:
         unknown = f" ({t['unknown']} of unknown size)" if t["unknown"] else ""
-        lines.append(f"- {t['source']} -> {t['destination']}: {t['bytes']} B in {t['count']} transfers{unknown}")
-    lines += ["", "Worker 0 -> worker 1 edges sent once per decode step (tensor, count, bytes each): "
-              + ", ".join(f"`{t}` x{c} x {b} B" for t, c, b in chk["loop_edges"])]
+        lines.append(f"- {t['source']} -> {t['destination']}: {t['bytes']} B in {t['count']} "
+                     f"transfers{unknown}")
+    lines += ["", "Worker 0 -> worker 1 edges sent once per decode step (tensor, count, bytes "
+              "each): " + ", ".join(f"`{t}` x{c} x {b} B" for t, c, b in chk["loop_edges"])]
     return "\n".join(lines) + "\n"
 
 
@@ -133,10 +140,13 @@ def main(argv=None) -> dict:
         t0 = time.perf_counter()
         placed.generate_ids(prompt_ids, max_new_tokens=args.new)
         warm = time.perf_counter() - t0
-        res = {"new_tokens": args.new, "repeat": args.repeat, "warmup_s": warm, "placement": repr(placed),
-               "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+        res = {"new_tokens": args.new, "repeat": args.repeat, "warmup_s": warm,
+               "placement": repr(placed),
+               "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
+                          f"Python {platform.python_version()}",
                "when": time.strftime("%Y-%m-%d %H:%M"),
-               "runs": [measure(placed, prompt_ids, args.new, args.repeat, lvl, cluster) for lvl in args.host_levels]}
+               "runs": [measure(placed, prompt_ids, args.new, args.repeat, lvl, cluster)
+                        for lvl in args.host_levels]}
     finally:
         cluster.stop()
     md = to_markdown(res)

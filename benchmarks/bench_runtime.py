@@ -7,7 +7,8 @@ the machine is shared and noisy, so compare ratios from one run.
 
 Run::
 
-    TF_USE_LEGACY_KERAS=1 TF_CPP_MIN_LOG_LEVEL=2 python benchmarks/bench_runtime.py --models tiny smollm2
+    TF_USE_LEGACY_KERAS=1 TF_CPP_MIN_LOG_LEVEL=2 \
+        python benchmarks/bench_runtime.py --models tiny smollm2
 """
 
 from __future__ import annotations
@@ -20,14 +21,14 @@ import time
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import tensorflow as tf  # noqa: E402
+import tensorflow as tf
 
 _cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from tfnb.models.model import load_model, tiny  # noqa: E402
-from tfnb.runtime import place_llama as place  # noqa: E402
+from tfnb.models.model import load_model, tiny
+from tfnb.runtime import place_llama as place
 
 
 def bench_model(model, prompt_ids, new, repeat, which, devices=None):

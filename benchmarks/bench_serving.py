@@ -58,6 +58,7 @@ Run::
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -184,7 +185,7 @@ def bench_tfnb(model, prompt_ids, requests: int, new: int, predict: bool = True,
         # the stages timed between the rounds at 8 requests, once per cycle, each at the batch
         # its configuration's lanes or copies then run (timers built and compiled here once)
         timers, samples, timed_as = {}, {}, {}
-        for name, n_workers, how in configs if predict else ():
+        for name, n_workers, _how in configs if predict else ():
             # rows per lane at 8 requests (a copy of a replicated plan is one lane here)
             key = timed_as[name] = (-(-PREDICT_AT // results[name]["lanes"]), n_workers)
             if key not in timers:
@@ -272,7 +273,8 @@ def bench_hf(model, prompt_ids, requests: int, new: int) -> dict:
     out = []
     for c in CONCURRENCY:
         ids = tf.constant([prompt_ids] * c, tf.int32)
-        run = lambda: generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0)  # noqa
+        run = functools.partial(generate, ids, max_new_tokens=new, do_sample=False,
+                                pad_token_id=0)
         run()  # compile
         runs = []
         for _ in range(REPEATS_AT if c == PREDICT_AT else 1):
@@ -355,7 +357,7 @@ def summary(results: dict) -> str:
     busy = {n: r["rounds"][at]["worker_busy"] for n, r in results.items()
             if "worker_busy" in r["rounds"][at]}
     if busy:
-        lines.append(f"- CPU time of each worker over the wall time of that round (worker 0, 1): "
+        lines.append("- CPU time of each worker over the wall time of that round (worker 0, 1): "
                      + "; ".join(f"{n} " + ", ".join(f"{b:.0%}" for b in bs)
                                  for n, bs in busy.items()))
     one_cpu = sum(busy.get("tfnb 1 worker", [])) / one if one and busy else None
@@ -374,8 +376,9 @@ def summary(results: dict) -> str:
         if "predicted_at_8" in r:
             p = r["predicted_at_8"]
             lines.append(f"- {n}: planner predicted {p:.1f} tokens/s at {PREDICT_AT} requests "
-                         f"(prefills included; decode steps alone {r['predicted_decode_at_8']:.1f}),"
-                         f" measured {rate[n]:.1f} ({rate[n] / p - 1:+.0%})" + (
+                         "(prefills included; decode steps alone "
+                         f"{r['predicted_decode_at_8']:.1f}), measured {rate[n]:.1f} "
+                         f"({rate[n] / p - 1:+.0%})" + (
                              f"; from the stages timed between the rounds "
                              f"{r['rounds_predicted_at_8']:.1f} ("
                              f"measured {rate[n] / r['rounds_predicted_at_8'] - 1:+.0%})"

@@ -19,7 +19,8 @@ def unavailable() -> str:
         return "network namespaces need root"
     if not shutil.which("ip"):
         return "the ip command (iproute2) is missing"
-    probe = subprocess.run(["ip", "netns", "add", "tfnbprobe"], capture_output=True, text=True, timeout=10)
+    probe = subprocess.run(["ip", "netns", "add", "tfnbprobe"], capture_output=True, text=True,
+                           timeout=10)
     if probe.returncode != 0:
         return f"ip netns add is not permitted here: {probe.stderr.strip()}"
     subprocess.run(["ip", "netns", "del", "tfnbprobe"], capture_output=True, timeout=10)

@@ -10,7 +10,7 @@ from tfnb.models import decoder
 from tests.test_models import add_tiny_metadata, write_llama_gguf
 
 gguf = pytest.importorskip("gguf")
-from gguf.quants import quantize  # noqa: E402
+from gguf.quants import quantize
 
 IDS = [1, 7, 30, 5, 61, 12]
 

@@ -48,7 +48,7 @@ def _require_browser():
         pytest.skip(f"{CHROMIUM} is missing: install Debian's chromium package "
                     "(scripts/test does it when run as root)")
     try:
-        import playwright.sync_api  # noqa: F401
+        import playwright.sync_api  # noqa: F401 - only checks that it is installed
     except ImportError:
         pytest.skip("the playwright package is missing: pip install -e '.[test]' "
                     "(bash scripts/setup)")

@@ -145,7 +145,8 @@ def test_killed_worker_is_down_and_its_ops_fail_fast_then_reconnect_recovers(fau
     after = c.incarnations
     assert after[faulty.addresses[0]] == before[faulty.addresses[0]]
     assert after[faulty.addresses[1]] != before[faulty.addresses[1]]
-    assert report == {"restarted": ["/job:worker/replica:0/task:1"], "lost": ["a model on worker 1"]}
+    assert report == {"restarted": ["/job:worker/replica:0/task:1"],
+                      "lost": ["a model on worker 1"]}
     assert holder.lost == "a worker restarted"
     with tf.device(w1):
         assert float(tf.reduce_sum(tf.ones([3]))) == 3.0
@@ -248,8 +249,9 @@ def test_close_stops_every_worker():
 
 def test_worker_command_serves_reports_and_stops_on_sigterm():
     port, prof = _free_port(), _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tfnb.cli", "worker", "--cluster", f"127.0.0.1:{port}",
-                             "--task", "0", "--profiler-port", str(prof), "--cpus", "0"],
+    proc = subprocess.Popen([sys.executable, "-m", "tfnb.cli", "worker",
+                             "--cluster", f"127.0.0.1:{port}", "--task", "0",
+                             "--profiler-port", str(prof), "--cpus", "0"],
                             stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
@@ -284,8 +286,8 @@ def test_local_cluster_rejects_bad_sizes():
 
 
 def test_local_command_runs_workers_until_interrupted():
-    proc = subprocess.Popen([sys.executable, "-m", "tfnb.cli", "local", "-n", "1"], stdout=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-m", "tfnb.cli", "local", "-n", "1"],
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         head = [proc.stdout.readline() for _ in range(2)]
         assert head[0].startswith("1 workers running")

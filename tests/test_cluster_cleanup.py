@@ -104,7 +104,8 @@ def test_a_second_local_cluster_stops_the_first_or_says_it_still_runs():
         with pytest.raises(ClusterError, match="still running.*stop it first"):
             tfnb.local(1, replace=False)
         assert first.local.alive() == [True] and tfnb.current() is first
-        with pytest.warns(UserWarning, match=r"stopping the local cluster of 1 workers at 127\.0\.0\.1:"):
+        with pytest.warns(UserWarning,
+                          match=r"stopping the local cluster of 1 workers at 127\.0\.0\.1:"):
             second = tfnb.local(1)
     try:
         assert _gone(pid, 10) and not first.connected
@@ -139,7 +140,8 @@ time.sleep(120)
 
 
 def test_a_worker_exits_when_its_parent_dies_even_if_the_pipe_stays_open():
-    parent = subprocess.Popen([sys.executable, "-c", _PARENT_WITH_FORK], stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT_WITH_FORK], stdout=subprocess.PIPE,
+                              text=True)
     helper = None
     try:
         line = parent.stdout.readline()

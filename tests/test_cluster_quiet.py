@@ -43,8 +43,9 @@ def test_exit_after_stopping_the_workers_logs_no_failed_remote_cleanup():
 
 def test_tiny_demo_through_the_cli_has_a_clean_stderr(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
-    res = subprocess.run([sys.executable, "-m", "tfnb.cli", "demo", "--model", "tiny", "--notebook", "",
-                          "--out", str(tmp_path / "out")], capture_output=True, text=True,
+    res = subprocess.run([sys.executable, "-m", "tfnb.cli", "demo", "--model", "tiny",
+                          "--notebook", "", "--out", str(tmp_path / "out")],
+                         capture_output=True, text=True,
                          timeout=400, env=env, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "== done" in res.stdout and (tmp_path / "out" / "profile.png").exists()
@@ -60,7 +61,8 @@ def test_verbose_cli_keeps_tensorflow_logs(tmp_path):
     for flags, shown in ((["--verbose"], True), ([], False)):
         proc = subprocess.Popen([sys.executable, "-c", code, *flags, "worker", "--cluster",
                                  f"127.0.0.1:{port}", "--task", "0"], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0"))
+                                stderr=subprocess.PIPE, text=True,
+                                env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0"))
         try:
             assert proc.stdout.readline().startswith("TFNB_READY ")
             proc.terminate()
@@ -73,9 +75,12 @@ def test_verbose_cli_keeps_tensorflow_logs(tmp_path):
 def test_filter_drops_tf_noise_blocks_and_keeps_everything_else():
     lines = [
         "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
-        "I0000 00:00:1796120597.518694    5821 cudart_stub.cc:31] Could not find cuda drivers on your machine.",
-        "E0000 00:00:1796120600.060154    5821 cuda_platform.cc:52] failed call to cuInit: INTERNAL",
-        "E0000 00:00:1796120607.906363    5821 context.cc:911] Failed to remove function remotely due to x",
+        "I0000 00:00:1796120597.518694    5821 cudart_stub.cc:31] "
+        "Could not find cuda drivers on your machine.",
+        "E0000 00:00:1796120600.060154    5821 cuda_platform.cc:52] "
+        "failed call to cuInit: INTERNAL",
+        "E0000 00:00:1796120607.906363    5821 context.cc:911] "
+        "Failed to remove function remotely due to x",
         "Additional GRPC error information from remote target /job:worker/replica:0/task:0 while "
         "calling /tensorflow.eager.EagerService/Enqueue:",
         ':UNKNOWN:Error received from peer  {grpc_status:14, grpc_message:"Connection refused"}',

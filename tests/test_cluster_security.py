@@ -1,5 +1,6 @@
 """Loopback guards with real nftables tables: one per cluster, and the client's server guarded
-until the process ends. Seen from the rule set here; tests/test_netns.py probes from another host."""
+until the process ends. Seen from the rule set here; tests/test_netns.py probes from another
+host."""
 import os
 import shutil
 import subprocess
@@ -14,10 +15,12 @@ from tfnb.cluster.probe import probe
 
 def _nft_unavailable() -> str:
     if not shutil.which("nft"):
-        return "the nft command is missing (Debian: apt-get install nftables; scripts/test does it as root)"
+        return ("the nft command is missing (Debian: apt-get install nftables; scripts/test does "
+                "it as root)")
     if os.geteuid() != 0:
         return "nftables tables need root"
-    res = subprocess.run(["nft", "-f", "-"], input="add table inet tfnb_probe\ndelete table inet tfnb_probe\n",
+    res = subprocess.run(["nft", "-f", "-"],
+                         input="add table inet tfnb_probe\ndelete table inet tfnb_probe\n",
                          text=True, capture_output=True, timeout=10)
     if res.returncode != 0:
         return f"nft may not change the rule set here: {res.stderr.strip()[:120]}"
@@ -30,7 +33,8 @@ pytestmark = pytest.mark.skipif(bool(_why), reason=f"{_why}; loopback-guard test
 
 def _table(name: str) -> str:
     """The rules of one table ('' when it does not exist)."""
-    res = subprocess.run(["nft", "list", "table", "inet", name], capture_output=True, text=True, timeout=10)
+    res = subprocess.run(["nft", "list", "table", "inet", name], capture_output=True, text=True,
+                         timeout=10)
     return res.stdout if res.returncode == 0 else ""
 
 

@@ -47,7 +47,8 @@ def _write(path, monkeypatch, *, meta=None, rename=None, extra=(), drop=()):
     ({"add_head_count": 3}, r"'llama\.embedding_length'=64 .*not divisible by .*head_count'=3"),
     ({"add_head_count_kv": 3}, r"n_kv_heads=3 does not divide n_heads=4"),
     ({"add_feed_forward_length": 0}, r"'llama\.feed_forward_length'=0"),
-    ({"add_layer_norm_rms_eps": 0.0}, r"'llama\.attention\.layer_norm_rms_epsilon'=0\.0 .*positive number"),
+    ({"add_layer_norm_rms_eps": 0.0},
+     r"'llama\.attention\.layer_norm_rms_epsilon'=0\.0 .*positive number"),
 ])
 def test_bad_metadata_is_named(tmp_path, monkeypatch, meta, message):
     path = _write(tmp_path / "bad.gguf", monkeypatch, meta=meta)
@@ -59,7 +60,8 @@ def test_bad_metadata_is_named(tmp_path, monkeypatch, meta, message):
 def test_an_extra_block_is_named(tmp_path, monkeypatch):
     path = _write(tmp_path / "extra.gguf", monkeypatch, extra=["blk.2.attn_norm.weight"])
     with pytest.raises(ModelError, match=r"\['blk\.2\.attn_norm\.weight'\] beyond its "
-                                         r"'llama\.block_count'=2: expected blocks blk\.0 to blk\.1"):
+                                         r"'llama\.block_count'=2: expected blocks blk\.0 to "
+                                         r"blk\.1"):
         load_model(path, progress=False)
 
 

@@ -9,6 +9,7 @@ import tfnb
 from tfnb.models import tiny
 from tfnb.placement.cost import stage_memory
 from tfnb.runtime import ReplicaLostWarning, ReplicatedModel
+
 from tests.conftest import _connect, local_cluster
 from tests.test_replicas import PROMPTS, concurrently
 

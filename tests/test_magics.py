@@ -62,7 +62,7 @@ def test_connect_from_file_and_tf_config(ipython, local_workers, tmp_path, monke
         warnings.simplefilter("ignore")
         c1, err, _ = _run(ipython, f"%tfcluster connect --file {path}", capsys)
         assert err is None and c1.spec == local_workers.spec
-        monkeypatch.setenv("TF_CONFIG", '{"cluster": %s}' % local_workers.spec.to_json())
+        monkeypatch.setenv("TF_CONFIG", f'{{"cluster": {local_workers.spec.to_json()}}}')
         c2, err, _ = _run(ipython, "%tfcluster connect --tf-config", capsys)
     assert err is None and c2.spec == local_workers.spec and tfnb.current() is c2
 
@@ -105,7 +105,8 @@ BAD = [
 
 
 @pytest.mark.parametrize("line, named", BAD)
-def test_bad_input_is_one_line_without_traceback_and_changes_nothing(ipython, cluster, capsys, line, named):
+def test_bad_input_is_one_line_without_traceback_and_changes_nothing(ipython, cluster, capsys, line,
+                                                                     named):
     result, err, printed = _run(ipython, line, capsys)
     assert isinstance(err, UsageError) and result is None
     assert named in str(err)

@@ -5,14 +5,13 @@ import os
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import numpy as np
+import pytest
 
-from tfnb.errors import ModelError  # noqa: E402
-from tfnb.models import LayerChain, load_model, tiny  # noqa: E402
-from tfnb.models import decoder  # noqa: E402
-from tfnb.models.model import smollm2_path  # noqa: E402
-from tfnb.models.packed import PackedTensor  # noqa: E402
+from tfnb.errors import ModelError
+from tfnb.models import LayerChain, decoder, load_model, tiny
+from tfnb.models.model import smollm2_path
+from tfnb.models.packed import PackedTensor
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -384,7 +383,8 @@ def test_tiny_gpt2_is_an_opaque_hf_model():
     assert len(model.chain) == 4
 
 
-@pytest.mark.parametrize("module", ["decoder", "chain", "gguf_io", "model", "progress", "tokenizer"])
+@pytest.mark.parametrize("module",
+                         ["decoder", "chain", "gguf_io", "model", "progress", "tokenizer"])
 def test_docstring_examples_run(module):
     import doctest
     import importlib

@@ -16,7 +16,8 @@ from tfnb.cluster.probe import probe
 from .netns import Hosts, unavailable
 
 _why = unavailable()
-pytestmark = [pytest.mark.netns, pytest.mark.skipif(bool(_why), reason=f"{_why}; multi-host tests need it")]
+pytestmark = [pytest.mark.netns,
+              pytest.mark.skipif(bool(_why), reason=f"{_why}; multi-host tests need it")]
 
 
 @pytest.fixture(scope="module")
@@ -35,10 +36,12 @@ def _probe_from(hosts, i, address, timeout=2.0):
 @pytest.fixture(scope="module")
 def remote_workers(hosts):
     spec = {"worker": [f"{a}:2222" for a in hosts.addresses[:2]]}
-    procs = [hosts.popen(i, [sys.executable, "-m", "tfnb.cli", "worker", "--cluster", json.dumps(spec),
-                             "--task", str(i)], stdout=subprocess.PIPE, text=True) for i in range(2)]
+    procs = [hosts.popen(i, [sys.executable, "-m", "tfnb.cli", "worker",
+                             "--cluster", json.dumps(spec), "--task", str(i)],
+                         stdout=subprocess.PIPE, text=True) for i in range(2)]
     lines = {}
-    readers = [threading.Thread(target=lambda i=i, p=p: lines.__setitem__(i, p.stdout.readline()), daemon=True)
+    readers = [threading.Thread(target=lambda i=i, p=p: lines.__setitem__(i, p.stdout.readline()),
+                                daemon=True)
                for i, p in enumerate(procs)]
     for t in readers:
         t.start()
@@ -84,7 +87,8 @@ def test_a_cut_link_shows_unresponsive_within_the_timeout(hosts, remote_workers)
         start = time.monotonic()
         st = cluster.status(timeout=2.0)
         assert time.monotonic() - start < 2.0 + 1.0
-        assert st.states == {f"{hosts.addresses[0]}:2222": "unresponsive", f"{hosts.addresses[1]}:2222": "up"}
+        assert st.states == {f"{hosts.addresses[0]}:2222": "unresponsive",
+                             f"{hosts.addresses[1]}:2222": "up"}
     finally:
         hosts.mend(0)
     deadline = time.monotonic() + 10
@@ -110,7 +114,8 @@ def test_loopback_guard_hides_a_local_cluster_from_other_hosts(hosts):
     finally:
         open_lc.close()
         guarded.close()
-    tables = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True, timeout=10).stdout
+    tables = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True,
+                            timeout=10).stdout
     assert table not in tables
     # TF cannot stop this process's own server: it stays guarded after its cluster closed
     assert _probe_from(hosts, 2, client) == "unresponsive"

@@ -17,7 +17,7 @@ from tfnb.models.packed import PackedTensor, fuse_rows
 from tests.test_models import write_llama_gguf
 
 gguf = pytest.importorskip("gguf")
-from gguf.quants import dequantize, quantize  # noqa: E402
+from gguf.quants import dequantize, quantize
 
 TYPES = ["F32", "F16", "Q4_0", "Q4_1", "Q8_0"]
 
@@ -236,7 +236,8 @@ def test_int8_activations_leave_float_weights_on_the_float_route(name):
 
 
 def test_activations_option_is_checked():
-    with pytest.raises(ValueError, match=r"activations='int4': expected one of \['float32', 'int8'\]"):
+    with pytest.raises(ValueError,
+                       match=r"activations='int4': expected one of \['float32', 'int8'\]"):
         kernels.packed_matmul(np.ones((1, 32), np.float32), np.zeros((1, 20), np.uint8), 3, 32,
                               activations="int4")
 
@@ -500,7 +501,8 @@ def test_a_quantized_gguf_loads_packed_by_default(tiny_gguf):
 
 
 def test_weights_option_is_checked(tiny_gguf, tmp_path):
-    with pytest.raises(ModelError, match=r"weights='int3': expected one of \['packed', 'float32'\]"):
+    with pytest.raises(ModelError,
+                       match=r"weights='int3': expected one of \['packed', 'float32'\]"):
         tfnb.load_model(tiny_gguf, weights="int3", progress=False)
     with pytest.raises(ModelError, match="packed weights come from GGUF files"):
         tfnb.load_model(tmp_path, weights="packed", progress=False)

@@ -9,8 +9,15 @@ import pytest
 
 from tfnb.errors import PlacementError
 from tfnb.models import LayerChain, Stage, tiny
-from tfnb.placement import (Plan, Topology, greedy_assignment, measure_topology,
-                            memory_assignment, plan, predict)
+from tfnb.placement import (
+    Plan,
+    Topology,
+    greedy_assignment,
+    measure_topology,
+    memory_assignment,
+    plan,
+    predict,
+)
 from tfnb.placement.cost import stage_memory
 from tfnb.placement.optimal import optimal_segments
 
@@ -180,13 +187,14 @@ def test_a_copy_too_large_for_one_device_replicates_as_pipelines_over_device_pai
     assert "2 replicas of 2 segments each" in str(p) and str(p).count("embed ..") == 2
     assert Plan.load(p.save(tmp_path / "hybrid.json")) == p
     rebuilt = {}
-    exec(p.to_python(), rebuilt)
+    exec(p.to_python(), rebuilt)  # noqa: S102 - our own snippet, as a user pastes it
     assert rebuilt["plan"] == p
     bad = [[("d0", "d1"), "d2"], [("d0", "d1"), ("d1", "d2")], [("d1", "d0"), ("d2", "d3")]]
     for replicas, match in zip(bad, ["equal-length", "d1' is in two", "first copy"]):
         with pytest.raises(PlacementError, match=match):
             Plan(first, "replicate", replicas=replicas)
-    with pytest.raises(PlacementError, match="nor does any group of up to 2 consecutive devices of the 5"):
+    with pytest.raises(PlacementError,
+                       match="nor does any group of up to 2 consecutive devices of the 5"):
         plan(chain, topo.with_max_memory(0.3 * chain.total_param_bytes), mode="replicate")
 
 
@@ -252,7 +260,7 @@ def test_plan_json_round_trip_diff_and_python(tmp_path):
     b = plan(chain, topo, mode="memory", context_len=128)
     assert Plan.load(a.save(tmp_path / "a.json")) == a
     rebuilt = {}
-    exec(a.to_python(), rebuilt)   # the snippet is what a user pastes into a cell
+    exec(a.to_python(), rebuilt)  # noqa: S102 - our own snippet, as a user pastes it
     assert rebuilt["plan"] == a
     moves = a.diff(b)
     assert {(s, x, y) for s, x, y in moves.moves} == {
@@ -468,7 +476,8 @@ def test_optimal_falls_back_to_a_beam_search_when_every_device_differs():
     ({"prediction": "bad"}, "'prediction'"),
 ])
 def test_a_corrupt_plan_file_is_one_error_naming_the_value(tmp_path, change, quoted):
-    path = Plan({"embed": "a", "block.0": "a", "block.1": "b", "head": "b"}).save(tmp_path / "p.json")
+    path = Plan({"embed": "a", "block.0": "a", "block.1": "b", "head": "b"}).save(
+        tmp_path / "p.json")
     path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
     with pytest.raises(PlacementError) as e:
         Plan.load(path)

@@ -46,7 +46,8 @@ def split(cluster):
 def _with_targets(cluster, extra: dict):
     """The connected cluster as the profiler sees it, plus ``extra`` {task: address} targets."""
     return types.SimpleNamespace(
-        workers=cluster.workers + list(extra), connected=True, client_address=cluster.client_address,
+        workers=cluster.workers + list(extra), connected=True,
+        client_address=cluster.client_address,
         spec=types.SimpleNamespace(addresses=cluster.spec.addresses + list(extra.values())))
 
 
@@ -91,7 +92,8 @@ def tiny_llama():
 
 
 @pytest.mark.parametrize("layout, boundaries", [("split", 1), ("alternating", 2)])
-def test_llm_decode_loop_moves_one_activation_per_token_and_boundary(cluster, tiny_llama, layout, boundaries):
+def test_llm_decode_loop_moves_one_activation_per_token_and_boundary(cluster, tiny_llama, layout,
+                                                                     boundaries):
     """The runtime's decode chunks (unrolled steps calling one function per segment): per
     decode step, worker 0 -> worker 1 carries exactly the hidden state of each boundary, so
     no weight crosses; each edge is counted once per step."""
@@ -138,27 +140,33 @@ def test_views_and_exports(split, tmp_path):
 
     with tfnb.profiler.profile() as prof:
         split.chain(split.x)
-    stages = prof.stage_times({"first": split.w0, "second": split.w1}, predicted={"first": 1.0, "second": 2.0})
-    assert [s["stage"] for s in stages] == ["first", "second"] and all(s["measured_ms"] > 0 for s in stages)
+    stages = prof.stage_times({"first": split.w0, "second": split.w1},
+                              predicted={"first": 1.0, "second": 2.0})
+    assert [s["stage"] for s in stages] == ["first", "second"]
+    assert all(s["measured_ms"] > 0 for s in stages)
     assert stages[1]["predicted_ms"] == 2.0
     for kind in ("summary", "busy", "timeline", "transfers", "top_ops"):
         assert prof.plot(kind).axes
     assert prof.plot("stages", plan={"first": split.w0}).axes
     html = prof._repr_html_()
-    assert "data:image/png;base64," in html and "worker:1/CPU:0" in html and html == prof._repr_html_()
+    assert "data:image/png;base64," in html and "worker:1/CPU:0" in html
+    assert html == prof._repr_html_()
     assert "worker:0/CPU:0 -> worker:1/CPU:0" in str(prof)
     prof.save(tmp_path / "p.png")
     prof.save(tmp_path / "p.svg", kind="timeline")
-    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG" and b"<svg" in (tmp_path / "p.svg").read_bytes()
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+    assert b"<svg" in (tmp_path / "p.svg").read_bytes()
     run = tmp_path / "tb"
     files = list((run / "plugins" / "profile").glob("*/*.xplane.pb"))
     assert not files
     prof.export_tensorboard(run)
     files = sorted(p.name for p in (run / "plugins" / "profile").glob("*/*.xplane.pb"))
     assert len(files) == 3 and "client.xplane.pb" in files
-    space = xplane_pb2.XSpace.FromString(next((run / "plugins" / "profile").glob("*/worker-r0-t1.xplane.pb")).read_bytes())
+    worker1 = next((run / "plugins" / "profile").glob("*/worker-r0-t1.xplane.pb"))
+    space = xplane_pb2.XSpace.FromString(worker1.read_bytes())
     assert any(p.name == "/host:CPU" for p in space.planes)
-    trace = json.loads((tmp_path / "t.json").read_text() if prof.export_chrome_trace(tmp_path / "t.json") else "")
+    trace = json.loads((tmp_path / "t.json").read_text()
+                       if prof.export_chrome_trace(tmp_path / "t.json") else "")
     sends = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["args"]["op"] == "_Send"]
     assert sends and all(e["dur"] >= 0 for e in sends)
     with pytest.raises(ProfileError, match="'x.pdf'"):
@@ -176,8 +184,9 @@ def _silent_server():
 
 
 def test_dead_silent_and_unprofiled_workers_give_a_partial_profile(cluster):
-    import grpc
     from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
 
     from tfnb.cluster.local import free_ports
 
@@ -199,7 +208,8 @@ def test_dead_silent_and_unprofiled_workers_give_a_partial_profile(cluster):
         silent.close()
         bare.stop(0)
     assert prof.partial and set(prof.reasons) == set(extra)
-    assert dead in prof.reasons["/job:gone/replica:0/task:0"] and "dead or unreachable" in prof.reasons["/job:gone/replica:0/task:0"]
+    gone = prof.reasons["/job:gone/replica:0/task:0"]
+    assert dead in gone and "dead or unreachable" in gone
     assert "did not answer within" in prof.reasons["/job:hung/replica:0/task:0"]
     assert "no TF profiler service" in prof.reasons["/job:bare/replica:0/task:0"]
     assert "PARTIAL" in repr(prof) and "not traced" in prof._repr_html_()
@@ -209,22 +219,25 @@ def test_dead_silent_and_unprofiled_workers_give_a_partial_profile(cluster):
 def _fake_profiler(snapshot):
     """A gRPC server whose ProfilerService starts sessions at once and answers GetSnapshot with
     ``snapshot(request, context)``; returns (server, port)."""
-    import grpc
     from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
 
     from tfnb.profiler.rpc import messages
 
     m = messages()
 
     def rpc(fn, req):
-        return grpc.unary_unary_rpc_method_handler(fn, request_deserializer=m[req].FromString,
-                                                   response_serializer=lambda msg: msg.SerializeToString())
+        return grpc.unary_unary_rpc_method_handler(
+            fn, request_deserializer=m[req].FromString,
+            response_serializer=lambda msg: msg.SerializeToString())
 
     server = grpc.server(ThreadPoolExecutor(4))
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("tensorflow.ProfilerService", {
-        "StartContinuousProfiling": rpc(lambda req, ctx: m["Empty"](), "ProfileRequest"),
-        "StopContinuousProfiling": rpc(lambda req, ctx: m["Empty"](), "Empty"),
-        "GetSnapshot": rpc(snapshot, "Empty")})])
+    handlers = {"StartContinuousProfiling": rpc(lambda req, ctx: m["Empty"](), "ProfileRequest"),
+                "StopContinuousProfiling": rpc(lambda req, ctx: m["Empty"](), "Empty"),
+                "GetSnapshot": rpc(snapshot, "Empty")}
+    server.add_generic_rpc_handlers(
+        [grpc.method_handlers_generic_handler("tensorflow.ProfilerService", handlers)])
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     return server, port
@@ -262,7 +275,8 @@ def test_worker_dying_or_hanging_while_its_trace_comes_in_gives_a_partial_profil
         hung.stop(0)
     assert prof.partial and set(reasons) == set(extra), reasons
     died = reasons["/job:dies/replica:0/task:0"]
-    assert extra["/job:dies/replica:0/task:0"] in died and ("went away" in died or "dead or unreachable" in died)
+    assert extra["/job:dies/replica:0/task:0"] in died
+    assert "went away" in died or "dead or unreachable" in died
     assert "did not answer within the capture timeout" in reasons["/job:hangs/replica:0/task:0"]
     assert {f"{w}/device:CPU:0" for w in cluster.workers} <= set(prof.devices)
 
@@ -297,7 +311,8 @@ def test_not_connected_and_bad_arguments(cluster, ipython):
 
 @pytest.mark.parametrize("cell, needle", [
     ("%%tfprofile\n", "empty"), ("%%tfprofile\n   \n", "empty"),
-    ("%%tfprofile --timeout 0\nx = 1\n", "timeout=0"), ("%%tfprofile --timeout 99999\nx = 1\n", "99999"),
+    ("%%tfprofile --timeout 0\nx = 1\n", "timeout=0"),
+    ("%%tfprofile --timeout 99999\nx = 1\n", "99999"),
     ("%%tfprofile -o 1x\nx = 1\n", "'1x'"), ("%%tfprofile --frobnicate\nx = 1\n", "--frobnicate"),
     ("%%tfprofile --timeout abc\nx = 1\n", "'abc'"),
 ])
@@ -316,10 +331,12 @@ def test_magic_stores_profile_and_stops_capture_when_the_cell_fails(ipython, spl
     assert p is res.result and ipython.user_ns["z"].shape == (B, H)
     assert {r["bytes_per_call"] for r in p.transfers(split.chain)} == {B * H * 4}
     assert list(tmp_path.glob("plugins/profile/*/client.xplane.pb"))
-    res = ipython.run_cell("%%tfprofile -o p2\nz = chain(x)\nraise KeyError('boom')\n", store_history=False)
+    res = ipython.run_cell("%%tfprofile -o p2\nz = chain(x)\nraise KeyError('boom')\n",
+                           store_history=False)
     assert isinstance(res.error_in_exec, KeyError)
     assert ipython.user_ns["p2"].transfers(split.chain)[0]["calls"] == 1
-    res = ipython.run_cell("%%tfprofile -o p3\nz = chain(x)\n", store_history=False)  # nothing left running
+    # nothing left running
+    res = ipython.run_cell("%%tfprofile -o p3\nz = chain(x)\n", store_history=False)
     assert res.error_in_exec is None and not ipython.user_ns["p3"].partial
 
 
@@ -327,7 +344,8 @@ def test_parsing_helpers():
     from tfnb.profiler.profile import union_ns
     from tfnb.profiler.xplane import key_devices, parse_shapes, transfer_bytes
 
-    assert parse_shapes("(float[8,64];int64[];half[?,3])") == [("float", [8, 64]), ("int64", []), ("half", [None, 3])]
+    assert parse_shapes("(float[8,64];int64[];half[?,3])") == [("float", [8, 64]), ("int64", []),
+                                                               ("half", [None, 3])]
     assert parse_shapes("(int32[3];;)") == [("int32", [3]), (None, None), (None, None)]
     assert transfer_bytes("(float[1,1,576];int32[2];;;bool[1])", 0) == 2304
     assert transfer_bytes("(float[8,64];float[64,64])", 0) == 2048
@@ -339,11 +357,13 @@ def test_parsing_helpers():
         ("/job:w/replica:0/task:1/device:CPU:0",) * 2
     from tfnb.profiler.library import strip_inlined
 
-    assert strip_inlined("while/body/_1/while/StatefulPartitionedCall_1") == "while/StatefulPartitionedCall_1"
+    assert strip_inlined("while/body/_1/while/StatefulPartitionedCall_1") == \
+        "while/StatefulPartitionedCall_1"
     assert strip_inlined("MatMul") == "MatMul"
 
 
-@pytest.mark.parametrize("op, kind", [("MatMul", "matmul"), ("_MklMatMul", "matmul"), ("_FusedMatMul", "matmul"),
+@pytest.mark.parametrize("op, kind", [("MatMul", "matmul"), ("_MklMatMul", "matmul"),
+                                      ("_FusedMatMul", "matmul"),
                                       ("BatchMatMulV2", "matmul"), ("_MklBatchMatMulV2", "matmul"),
                                       ("_Send", "transfer"), ("_Recv", "transfer"),
                                       ("StatefulPartitionedCall", "compiled"), ("Relu", "other")])

@@ -56,7 +56,8 @@ def test_the_deliberately_heavier_block_is_the_slowest_stage(cluster, tiny_llama
 
     matplotlib.use("Agg")
     w0, w1 = cluster.devices[:2]
-    plan = tfnb.Plan.from_assignment(tiny_llama.chain, {"embed": w0, "block.0": w0, "block.1": w1, "head": w1},
+    plan = tfnb.Plan.from_assignment(tiny_llama.chain,
+                                     {"embed": w0, "block.0": w0, "block.1": w1, "head": w1},
                                      tfnb.placement.Topology([w0, w1]), context_len=64)
     plain = tfnb.place(tiny_llama, plan, cluster)
     plain.eos_ids = ()
@@ -78,7 +79,8 @@ def test_the_deliberately_heavier_block_is_the_slowest_stage(cluster, tiny_llama
         if r["steps"]:
             assert sum(r["step_kinds"].values()) == pytest.approx(r["ms_per_step"])
             assert r["decode_ms"] < r["measured_ms"]
-    assert all(r["predicted_ms"] == pytest.approx(plan.prediction.stage_s[r["stage"]] * 1e3) for r in rows)
+    assert all(r["predicted_ms"] == pytest.approx(plan.prediction.stage_s[r["stage"]] * 1e3)
+               for r in rows)
     # the runtime's own op kinds are told apart
     kinds = {k for r in rows for k in r["kinds"]}
     assert {"matmul", "attention", "norm", "rope", "sampling", "copies"} <= kinds, kinds
@@ -93,7 +95,8 @@ def test_the_deliberately_heavier_block_is_the_slowest_stage(cluster, tiny_llama
 
 def test_each_device_against_its_memory_bandwidth_bound(cluster, tiny_llama):
     w0, w1 = cluster.devices[:2]
-    placed = tfnb.place(tiny_llama, {"embed": w0, "block.0": w0, "block.1": w1, "head": w1}, cluster)
+    placed = tfnb.place(tiny_llama, {"embed": w0, "block.0": w0, "block.1": w1, "head": w1},
+                        cluster)
     placed.eos_ids = ()
     prof, got, steps = _profiled(cluster, placed)
     cfg = tiny_llama.config
@@ -108,7 +111,8 @@ def test_each_device_against_its_memory_bandwidth_bound(cluster, tiny_llama):
         # one block per worker, one row, attending a window of 64 slots (the bucket)
         assert r["kv_bytes"] == 64 * 2 * cfg.n_kv_heads * cfg.head_dim * 4
         assert r["bound_ms"] == pytest.approx((r["weights_bytes"] + r["kv_bytes"]) / 1e9 * 1e3)
-        assert r["fraction"] == pytest.approx(r["bound_ms"] / r["ms_per_step"]) and r["ms_per_step"] > 0
+        assert r["fraction"] == pytest.approx(r["bound_ms"] / r["ms_per_step"])
+        assert r["ms_per_step"] > 0
     hop = {(r["source"], r["destination"]): r for r in b["links"]}[(w0, w1)]
     hidden = cfg.hidden_size * 4  # one hidden state per step, plus the (padded) prompt's once
     states = hop["bytes_per_step"] * steps / hidden
@@ -172,20 +176,23 @@ def test_a_profile_of_other_code_says_there_are_no_stages(cluster):
 
 def test_a_call_that_compiles_reports_its_compile_apart_from_its_run(cluster, tiny_llama):
     w0, w1 = cluster.devices[:2]
-    placed = tfnb.place(tiny_llama, {"embed": w0, "block.0": w0, "block.1": w1, "head": w1}, cluster)
+    placed = tfnb.place(tiny_llama, {"embed": w0, "block.0": w0, "block.1": w1, "head": w1},
+                        cluster)
     placed.eos_ids = ()
     with tfnb.profiler.profile(cluster, timeout=60) as first:  # compiles every segment
         placed.generate_ids([PROMPT], max_new_tokens=6)
     with tfnb.profiler.profile(cluster, timeout=30) as again:  # runs what is compiled
         placed.generate_ids([PROMPT], max_new_tokens=6)
     compiled = {r["device"]: r for r in first.compiles()}
-    assert set(compiled) == {w0, w1} and all(r["count"] >= 2 and r["compile_ms"] > 5 for r in compiled.values())
+    assert set(compiled) == {w0, w1}
+    assert all(r["count"] >= 2 and r["compile_ms"] > 5 for r in compiled.values())
     assert again.compiles() == []
     busy = {r["device"]: r for r in first.busy()}
     for dev in (w0, w1):
         r = busy[dev]
         assert r["compile_ms"] == pytest.approx(compiled[dev]["compile_ms"], rel=0.05)
-        assert r["compute_ms"] + r["compile_ms"] + r["send_recv_ms"] + r["idle_ms"] == pytest.approx(first.wall_ms)
+        total = r["compute_ms"] + r["compile_ms"] + r["send_recv_ms"] + r["idle_ms"]
+        assert total == pytest.approx(first.wall_ms)
         # the run itself costs about what it costs once compiled, not the compile
         assert r["compute_ms"] < r["compile_ms"]
     assert first.stage_times()  # the run's compiled ops still count to their stages

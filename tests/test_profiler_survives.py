@@ -14,6 +14,7 @@ import tfnb
 import tfnb.profiler
 from tfnb.cluster.security import ExposedServerWarning
 from tfnb.profiler import capture
+
 from tests.test_profiler import B, H, known_split  # each boundary moves B*H*4 bytes per call
 
 CALLS = 150   # enough calls that the workers take a while to convert their traces
@@ -98,7 +99,8 @@ def test_block_still_running_when_the_cluster_stops_is_ended_and_collected(fresh
     assert 0 < prof.window_ns < t_stopped - t0
 
 
-def test_trace_not_in_before_the_cluster_stopped_makes_a_partial_profile_that_says_so(fresh, monkeypatch):
+def test_trace_not_in_before_the_cluster_stopped_makes_a_partial_profile_that_says_so(fresh,
+                                                                                     monkeypatch):
     monkeypatch.setattr(capture, "STOP_WAIT_S", 1.0)
     split = _split(fresh)
     with tfnb.profiler.profile(fresh, timeout=30) as prof:

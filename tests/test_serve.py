@@ -8,10 +8,11 @@ import pytest
 
 openai = pytest.importorskip("openai", reason="the endpoint tests drive it with the openai client")
 
-import tfnb  # noqa: E402
-from tfnb.models import tiny  # noqa: E402
-from tfnb.serving import ServeError, serve  # noqa: E402
-from tests.conftest import _connect  # noqa: E402
+import tfnb
+from tfnb.models import tiny
+from tfnb.serving import ServeError, serve
+
+from tests.conftest import _connect
 
 QUESTIONS = ["hello", "what is two", "the cat sat", "a b c", "good day", "tell me", "why", "x"]
 
@@ -65,7 +66,8 @@ def test_concurrent_chats_get_the_same_greedy_answers_as_one_at_a_time(placement
         assert alone == {q: placed.chat(q, max_new_tokens=16) for q in QUESTIONS}
         got, threads = {}, []
         for q in QUESTIONS:
-            threads.append(threading.Thread(target=lambda q=q: got.update({q: _ask(client, server.model, q)})))
+            threads.append(threading.Thread(
+                target=lambda q=q: got.update({q: _ask(client, server.model, q)})))
         for t in threads:
             t.start()
         for t in threads:
@@ -242,7 +244,8 @@ def test_a_key_is_checked_on_every_request_and_needed_beyond_loopback(placements
         with pytest.raises(openai.AuthenticationError):
             _ask(_client(server, key="wrong"), server.model, "hi")
         assert httpx.get(server.url + "/models", timeout=5).status_code == 401
-        assert _ask(_client(server, key="s3cret"), server.model, "hi") == placed.chat("hi", max_new_tokens=16)
+        assert _ask(_client(server, key="s3cret"), server.model, "hi") == \
+            placed.chat("hi", max_new_tokens=16)
         models = _client(server, key="s3cret").models.list()
         assert [m.id for m in models.data] == [server.model]
         health = server.url.removesuffix("/v1") + "/health"

@@ -9,10 +9,22 @@ from types import SimpleNamespace
 
 import pytest
 
-from tfnb.serving.protocol import (DEFAULT_MAX_TOKENS, MAX_BODY_BYTES, ApiError, ChatRequest,
-                                   Chunks, CompletionRequest, chat_prompt, check_size,
-                                   completion, finish, generate_options, parse_body, parse_chat,
-                                   parse_completion, usage)
+from tfnb.serving.protocol import (
+    DEFAULT_MAX_TOKENS,
+    MAX_BODY_BYTES,
+    ApiError,
+    ChatRequest,
+    Chunks,
+    CompletionRequest,
+    chat_prompt,
+    check_size,
+    completion,
+    finish,
+    parse_body,
+    parse_chat,
+    parse_completion,
+    usage,
+)
 
 CTX = 512
 HI = [{"role": "user", "content": "hi"}]

@@ -17,7 +17,8 @@ TWO = {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]}
 def test_every_form_gives_the_same_spec(tmp_path, monkeypatch):
     path = tmp_path / "cluster.json"
     path.write_text(json.dumps(TWO))
-    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": TWO, "task": {"type": "worker", "index": 0}}))
+    monkeypatch.setenv("TF_CONFIG",
+                       json.dumps({"cluster": TWO, "task": {"type": "worker", "index": 0}}))
     import tensorflow as tf
 
     forms = ["127.0.0.1:2222,127.0.0.1:2223", " 127.0.0.1:2222 , 127.0.0.1:2223 ", TWO,
@@ -34,7 +35,8 @@ def test_slurm_resolver(monkeypatch):
     """TF's Slurm resolver, fed the variables Slurm sets for a 2-node job."""
     import tensorflow as tf
 
-    for k, v in {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+    for k, v in {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2",
+                 "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
                  "SLURM_STEP_NODELIST": "node[1-2]", "SLURM_JOB_NODELIST": "node[1-2]",
                  "CUDA_VISIBLE_DEVICES": ""}.items():
         monkeypatch.setenv(k, v)
@@ -89,7 +91,8 @@ def test_bad_files_and_tf_config(tmp_path, monkeypatch):
 
 def test_status_decoding_of_a_real_payload():
     # GetStatusResponse bytes captured from a TF 2.21 worker.
-    payload = (b'\nL\n)/job:worker/replica:0/task:0/device:CPU:0\x12\x03CPU \x80\x80\x80\x80\x01*\x00'
+    payload = (b'\nL\n)/job:worker/replica:0/task:0/device:CPU:0'
+               b'\x12\x03CPU \x80\x80\x80\x80\x01*\x00'
                b'1\xe5\x1c\xb5\xdf\x12+\xb6\xc2@\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01')
     (dev,) = decode_status(payload)
     assert (dev.name, dev.device_type, dev.memory_limit, dev.short) == (
@@ -101,8 +104,10 @@ spec_like = st.one_of(
     st.text(max_size=60),
     st.text(alphabet="0123456789.:,[]abc- {}\"", max_size=60),
     st.lists(st.text(max_size=20), max_size=4),
-    st.dictionaries(st.text(max_size=8), st.one_of(st.text(max_size=20), st.lists(st.text(max_size=20), max_size=3),
-                                                   st.integers()), max_size=3),
+    st.dictionaries(st.text(max_size=8),
+                    st.one_of(st.text(max_size=20), st.lists(st.text(max_size=20), max_size=3),
+                              st.integers()),
+                    max_size=3),
     st.integers(), st.none(), st.floats(allow_nan=True),
 )
 

@@ -123,8 +123,10 @@ def test_over_memory_marks_the_row_and_disables_apply(cluster):
     assert editor.widgets.apply.disabled and reason in editor.widgets.reason.value
     assert editor.rows.highlighted() == ["block.0"] and dev1 in editor.over_memory
     assert "tfnb-over" in editor.rows.boxes["block.0"]._dom_classes
-    assert editor.bars.bars[dev1].bar_style == "danger" and "over memory" in editor.widgets.svg.value
-    assert editor.apply() is None and "disabled" in editor.error and editor.placed is None
+    assert editor.bars.bars[dev1].bar_style == "danger"
+    assert "over memory" in editor.widgets.svg.value
+    assert editor.apply() is None and "disabled" in editor.error
+    assert editor.placed is None
     editor.set_device("block.0", dev0)
     assert editor.apply_disabled_reason == "" and editor.rows.highlighted() == []
     assert not editor.widgets.apply.disabled
@@ -187,7 +189,8 @@ def test_json_export_and_load_round_trip_and_refusals(cluster, keras_model, tmp_
     editor.set_device("block.0", dev0)
     ns = {}
     exec(editor.widgets.python.value, ns)                      # noqa: S102 - our own snippet
-    assert ns["plan"] == editor.plan and "data:application/json;base64," in editor.widgets.download.value
+    assert ns["plan"] == editor.plan
+    assert "data:application/json;base64," in editor.widgets.download.value
 
     fresh = PlacementEditor(tiny("llama"), cluster, objective="throughput")
     assert fresh.load(path) == editor.plan and fresh.mode == "manual"
@@ -348,8 +351,10 @@ def test_bad_ranges_are_refused_with_one_clear_message():
         assert all(w in str(info.value) for w in words), (args, str(info.value))
         assert "\n" not in str(info.value)
     assert editor.assignment == kept
-    for ranges, word in [({devices[0]: (0, 20), devices[1]: (15, "head")}, "in the ranges of both"),
-                         ({devices[0]: (0, 20), devices[1]: (22, "head")}, "no device for 'block.20'"),
+    for ranges, word in [({devices[0]: (0, 20), devices[1]: (15, "head")},
+                          "in the ranges of both"),
+                         ({devices[0]: (0, 20), devices[1]: (22, "head")},
+                          "no device for 'block.20'"),
                          ({devices[0]: "embed"}, "expected (first, last)"),
                          ({"nowhere": (0, "head")}, "'nowhere' is not in the topology")]:
         with pytest.raises(PlacementError, match=re.escape(word)):
@@ -385,7 +390,8 @@ def test_a_device_joins_hands_over_and_leaves_the_pipeline():
     assert editor.ranges[devices[1]] == [("embed", "block.10")]
     assert new.order == (devices[1], devices[0], devices[2])       # rows in pipeline order
     new.removes[devices[0]].click()                       # x: worker:0 leaves the pipeline
-    assert editor.ranges == {devices[1]: [("embed", "block.18")], devices[2]: [("block.19", "head")]}
+    assert editor.ranges == {devices[1]: [("embed", "block.18")],
+                             devices[2]: [("block.19", "head")]}
     assert new.order[-1] == devices[0] and new.firsts[devices[0]].value == NONE
     editor.set_range(devices[1])
     assert editor.ranges == {devices[2]: [("embed", "head")]}
@@ -400,7 +406,8 @@ def test_non_contiguous_plans_show_every_run_and_a_range_edit_packs_them():
     editor.assignment = {s: devices[k % 2] for k, s in enumerate(names)}   # alternating
     assert [len(r) for r in editor.ranges.values()] == [6, 6] and len(_spans(editor)) == 12
     summary = editor.range_rows.summaries[devices[0]].value
-    assert summary.startswith("6 stages in 6 runs: embed, block.1, ") and summary.endswith("block.9")
+    assert summary.startswith("6 stages in 6 runs: embed, block.1, ")
+    assert summary.endswith("block.9")
     assert (editor.range_rows.firsts[devices[1]].value,
             editor.range_rows.lasts[devices[1]].value) == (1, 11)               # its span
     editor.set_range(devices[0], "embed", "block.5")      # packed first (6 + 6), then edited

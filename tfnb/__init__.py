@@ -14,7 +14,7 @@ import os as _os
 _os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 _os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from tfnb.errors import TfnbError  # noqa: E402
+from tfnb.errors import TfnbError
 
 __version__ = "0.1.0"
 

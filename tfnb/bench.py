@@ -87,11 +87,13 @@ def _on_device(call, device):
     return wrapped
 
 
-def run_one(config: str, new_tokens: int = 48, repeat: int = 2, model_name: str = "smollm2") -> dict:
+def run_one(config: str, new_tokens: int = 48, repeat: int = 2,
+            model_name: str = "smollm2") -> dict:
     """Measure one configuration in this process; returns a row of the results table."""
     warnings.simplefilter("ignore", ExposedServerWarning)
     model = tfnb.load_model(model_name, progress=False)
-    ids = model.tokenizer.encode(model.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}]))
+    ids = model.tokenizer.encode(
+        model.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}]))
     cluster = None
     if config in ("tf-device", "tfnb-1", "tfnb-2"):
         cluster = tfnb.local(1 if config == "tfnb-1" else 2)
@@ -100,7 +102,9 @@ def run_one(config: str, new_tokens: int = 48, repeat: int = 2, model_name: str 
             split = {"max_memory": "100MB"} if config == "tfnb-2" else {}  # force both workers
             placed = tfnb.place(model, tfnb.plan(model, cluster, **split), cluster)
             placed.eos_ids = ()  # every configuration generates exactly new_tokens tokens
-            make = lambda n: (lambda: placed.generate_ids(ids, max_new_tokens=n))  # noqa: E731
+
+            def make(n):
+                return lambda: placed.generate_ids(ids, max_new_tokens=n)
         else:
             make = _hf_runner(model, ids, config, cluster)
         total = _timed(make(new_tokens), repeat)
@@ -141,23 +145,25 @@ def machine() -> str:
 
 def to_markdown(rows: list[dict], base: str = "hf-xla") -> str:
     ref = next((r["tokens_per_s"] for r in rows if r["config"] == base), None)
-    lines = ["| configuration | tokens/s | × HF XLA | time to first token | client peak RSS | worker peak RSS |",
+    lines = ["| configuration | tokens/s | × HF XLA | time to first token | client peak RSS "
+             "| worker peak RSS |",
              "|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         ratio = f"{r['tokens_per_s'] / ref:.2f}" if ref else "-"
         workers = " + ".join(f"{m:.0f}" for m in r["worker_peak_mb"]) or "-"
-        lines.append(f"| {r['config']} | {r['tokens_per_s']:.1f} | {ratio} | {r['ttft_ms']:.0f} ms | "
-                     f"{r['client_peak_mb']:.0f} MB | {workers} MB |")
+        lines.append(f"| {r['config']} | {r['tokens_per_s']:.1f} | {ratio} | "
+                     f"{r['ttft_ms']:.0f} ms | {r['client_peak_mb']:.0f} MB | {workers} MB |")
     return "\n".join(lines)
 
 
-def run_all(configs=CONFIGS, new_tokens: int = 48, repeat: int = 2, out_dir: str = "benchmarks/results") -> list[dict]:
+def run_all(configs=CONFIGS, new_tokens: int = 48, repeat: int = 2,
+            out_dir: str = "benchmarks/results") -> list[dict]:
     """Run each configuration in a fresh process; write ``generate.md`` and ``generate.json``."""
     rows = []
     for config in configs:
         print(f"[bench] {config} ...", flush=True)
-        res = subprocess.run([sys.executable, "-m", "tfnb.bench", config, str(new_tokens), str(repeat)],
-                             capture_output=True, text=True, timeout=1800)
+        res = subprocess.run([sys.executable, "-m", "tfnb.bench", config, str(new_tokens),
+                              str(repeat)], capture_output=True, text=True, timeout=1800)
         line = next((ln for ln in res.stdout.splitlines() if ln.startswith("{")), None)
         if res.returncode != 0 or line is None:
             raise RuntimeError(f"benchmark {config} failed: {res.stderr.strip().splitlines()[-1:]}")

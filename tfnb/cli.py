@@ -51,7 +51,8 @@ def _bench(a) -> int:
     configs = a.configs or list(CONFIGS)
     bad = [c for c in configs if c not in CONFIGS]
     if bad:
-        print(f"tfnb bench: unknown configuration {bad[0]!r}; expected some of {', '.join(CONFIGS)}", file=sys.stderr)
+        print(f"tfnb bench: unknown configuration {bad[0]!r}; expected some of "
+              f"{', '.join(CONFIGS)}", file=sys.stderr)
         return 2
     run_all(configs, a.new_tokens, a.repeat, a.out)
     return 0
@@ -86,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     verbose = argparse.ArgumentParser(add_help=False)
     verbose.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                          help="show TensorFlow's own start-up and shutdown log lines")
-    p = argparse.ArgumentParser(prog="tfnb", description="TensorFlow clusters for LLM inference from notebooks",
+    p = argparse.ArgumentParser(prog="tfnb",
+                                description="TensorFlow clusters for LLM inference from notebooks",
                                 parents=[verbose])
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -106,20 +108,27 @@ def main(argv: list[str] | None = None) -> int:
     lo = add("local", help="run N TF workers on 127.0.0.1 until Ctrl-C")
     lo.add_argument("-n", type=int, default=2, help="number of workers (default 2)")
     lo.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for them to start")
-    lo.add_argument("--isolate", action="store_true", help="drop non-loopback traffic to them (root, nftables)")
+    lo.add_argument("--isolate", action="store_true",
+                    help="drop non-loopback traffic to them (root, nftables)")
     lo.set_defaults(func=_local)
     d = add("demo", help="local cluster, SmolLM2 placed over it, an answer, a profile")
-    d.add_argument("--out", default="demo-output", help="folder for the profile figure and notebook")
+    d.add_argument("--out", default="demo-output",
+                   help="folder for the profile figure and notebook")
     d.add_argument("--notebook", default="notebooks/01-quickstart.ipynb",
                    help="tutorial to execute into --out ('' to skip)")
     d.add_argument("--model", default="smollm2", choices=["smollm2", "tiny"],
-                   help="smollm2 (default) or tiny: a small random model, for a quick check of the path")
+                   help="smollm2 (default) or tiny: a small random model, for a quick check of "
+                        "the path")
     d.set_defaults(func=_demo)
     b = add("bench", help="generate speed of tfnb vs Hugging Face and the tf.device recipe")
-    b.add_argument("--configs", nargs="+", default=None, help="subset of: hf-eager hf-xla tf-device tfnb-1 tfnb-2")
-    b.add_argument("--new-tokens", type=int, default=48, help="new tokens per generate (default 48)")
-    b.add_argument("--repeat", type=int, default=2, help="timed calls per configuration (best counts)")
-    b.add_argument("--out", default="benchmarks/results", help="folder for generate.md / generate.json")
+    b.add_argument("--configs", nargs="+", default=None,
+                   help="subset of: hf-eager hf-xla tf-device tfnb-1 tfnb-2")
+    b.add_argument("--new-tokens", type=int, default=48,
+                   help="new tokens per generate (default 48)")
+    b.add_argument("--repeat", type=int, default=2,
+                   help="timed calls per configuration (best counts)")
+    b.add_argument("--out", default="benchmarks/results",
+                   help="folder for generate.md / generate.json")
     b.set_defaults(func=_bench)
     a = p.parse_args(argv)
     _quiet(getattr(a, "verbose", False))

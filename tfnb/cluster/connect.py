@@ -1,12 +1,12 @@
 """Connecting this process to a TF cluster: probe first, then tell TensorFlow.
 
-``tf.config.experimental_connect_to_cluster`` returns at once and the first op on an unreachable
-worker then hangs with no error (for minutes at least). :func:`connect` therefore probes every address
-under a timeout before TensorFlow is told anything, and refuses with one error naming every worker
-that did not answer. It also advertises the client's own TF server at an address the workers can
-reach back (TF's default is ``localhost``, which breaks clusters on several hosts), and remembers
-each worker's *incarnation* so :meth:`Cluster.reconnect` can tell which workers restarted and
-which placed state was lost with them.
+``tf.config.experimental_connect_to_cluster`` returns at once and the first op on an
+unreachable worker then hangs with no error (for minutes at least). :func:`connect` therefore
+probes every address under a timeout before TensorFlow is told anything, and refuses with one
+error naming every worker that did not answer. It also advertises the client's own TF server
+at an address the workers can reach back (TF's default is ``localhost``, which breaks clusters
+on several hosts), and remembers each worker's *incarnation* so :meth:`Cluster.reconnect` can
+tell which workers restarted and which placed state was lost with them.
 """
 from __future__ import annotations
 
@@ -21,8 +21,14 @@ from types import MappingProxyType
 
 from tfnb.cluster.local import LocalCluster, free_ports
 from tfnb.cluster.probe import probe_all
-from tfnb.cluster.security import (ExposedServerWarning, client_guard, client_guarded,
-                                   is_exposed, listening_scope, warn_if_exposed)
+from tfnb.cluster.security import (
+    ExposedServerWarning,
+    client_guard,
+    client_guarded,
+    is_exposed,
+    listening_scope,
+    warn_if_exposed,
+)
 from tfnb.cluster.spec import ClusterSpec, parse_address, parse_spec, split_address
 from tfnb.cluster.status import ClusterStatus, gather
 from tfnb.errors import ClusterError, NotConnectedError, SpecError, UnreachableError
@@ -30,14 +36,15 @@ from tfnb.hooks import workers_stopping
 
 CLIENT_JOB = "tfnb_client"
 _lock = threading.RLock()
-_current: "Cluster | None" = None
+_current: Cluster | None = None
 _told: tuple[ClusterSpec, str] | None = None  # what TensorFlow was last told: spec, client address
 
 
-def current(required: bool = True) -> "Cluster | None":
+def current(required: bool = True) -> Cluster | None:
     """The cluster this process is connected to (the last :func:`connect`)."""
     if _current is None and required:
-        raise NotConnectedError("not connected to a cluster; run tfnb.connect(...) or %tfcluster local 2")
+        raise NotConnectedError("not connected to a cluster; run tfnb.connect(...) or "
+                                "%tfcluster local 2")
     return _current
 
 
@@ -72,7 +79,8 @@ def advertise_host(spec: ClusterSpec) -> str:
 
 
 def _check_timeout(timeout: object) -> float:
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 3600:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
+            or not 0 < timeout <= 3600:
         raise SpecError(f"timeout={timeout!r}; expected seconds, a number > 0 and <= 3600")
     return float(timeout)
 
@@ -80,8 +88,8 @@ def _check_timeout(timeout: object) -> float:
 def _unreachable(results, timeout: float) -> UnreachableError:
     bad = [r for r in results if r.state != "up"]
     listed = ", ".join(f"{r.address} ({r.error or r.state})" for r in bad)
-    return UnreachableError(f"{len(bad)} of {len(results)} workers did not answer within {timeout:g} s: "
-                            f"{listed}; nothing was changed")
+    return UnreachableError(f"{len(bad)} of {len(results)} workers did not answer within "
+                            f"{timeout:g} s: {listed}; nothing was changed")
 
 
 class Cluster:
@@ -117,7 +125,7 @@ class Cluster:
         return [f"/job:{j}/replica:0/task:{i}" for j, i, _ in self.spec.tasks()]
 
     @property
-    def incarnations(self) -> "MappingProxyType[str, int]":
+    def incarnations(self) -> MappingProxyType[str, int]:
         """``{address: incarnation}`` of each worker as last probed (connect or reconnect).
 
         A read-only copy: a worker whose incarnation changed was restarted and lost its state.
@@ -130,7 +138,8 @@ class Cluster:
         return list(self._devices)
 
     def servers(self) -> dict[str, str]:
-        """``{server: listening scope}`` for the workers tfnb started here and the client's server."""
+        """``{server: listening scope}`` for the workers tfnb started here and the client's
+        server."""
         out = dict(self.local.scopes()) if self.local else {}
         port = split_address(self.client_address)[1]
         out[f"client ({self.client_address})"] = ("loopback (guarded)" if client_guarded(port)
@@ -184,7 +193,8 @@ class Cluster:
         if any(r.state != "up" for r in results):
             raise _unreachable(results, t)
         names = dict(zip(self.spec.addresses, self.workers))
-        restarted = [names[r.address] for r in results if r.incarnation != self._incarnations.get(r.address)]
+        restarted = [names[r.address] for r in results
+                     if r.incarnation != self._incarnations.get(r.address)]
         _tell_tensorflow(self.spec, self.client_address)
         _make_current(self)
         if restarted:
@@ -252,7 +262,7 @@ class Cluster:
 
     close = stop
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -327,7 +337,7 @@ def _tell_tensorflow(spec: ClusterSpec, client_address: str) -> None:
     # A ClusterSpec, not a resolver: with a resolver whose master() is "" TF silently does nothing.
     tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec(jobs), job_name=CLIENT_JOB,
                                               task_index=0, make_master_device_default=False)
-    tf.config.list_logical_devices()  # initializes the context: the client's server starts listening
+    tf.config.list_logical_devices()  # initializes the context: the client's server listens
 
 
 def _make_current(cluster: Cluster) -> None:
@@ -369,7 +379,10 @@ def connect(spec: object = None, *, timeout: float = 5.0, tf_config: bool = Fals
     results = probe_all(parsed.addresses, t)
     if any(r.state != "up" for r in results):
         raise _unreachable(results, t)
-    host = advertise_host(parsed) if advertise is None else parse_address(f"{advertise}:1").rpartition(":")[0]
+    if advertise is None:
+        host = advertise_host(parsed)
+    else:
+        host = parse_address(f"{advertise}:1").rpartition(":")[0]
     with _lock:
         # The same cluster again keeps the client's address (TF then updates its remote contexts
         # and state on workers that stayed up survives); another cluster makes TF start a new
@@ -384,7 +397,8 @@ def connect(spec: object = None, *, timeout: float = 5.0, tf_config: bool = Fals
             client_guard().add_ports([split_address(client_address)[1]])
         _tell_tensorflow(parsed, client_address)
         _told = (parsed, client_address)
-        cluster = Cluster(parsed, timeout=t, client_address=client_address, probes=results, local=local)
+        cluster = Cluster(parsed, timeout=t, client_address=client_address, probes=results,
+                          local=local)
         _make_current(cluster)
     warn_if_exposed(cluster.servers())
     return cluster
@@ -411,7 +425,8 @@ def local(n_workers: int = 2, *, timeout: float = 5.0, start_timeout: float = 60
     _check_timeout(timeout)
     prev = _current
     if prev is not None and prev.started_by_local and any(prev.local.alive()):
-        what = f"the local cluster of {len(prev.workers)} workers at {', '.join(prev.spec.addresses)}"
+        what = (f"the local cluster of {len(prev.workers)} workers at "
+                f"{', '.join(prev.spec.addresses)}")
         if not replace:
             raise ClusterError(f"{what} is still running; stop it first (cluster.stop() or "
                                "%tfcluster stop), or pass replace=True to stop it here")

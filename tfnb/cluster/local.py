@@ -21,12 +21,12 @@ import weakref
 from pathlib import Path
 
 from tfnb.cluster.probe import probe_all
-from tfnb.hooks import workers_stopping
 from tfnb.cluster.spec import ClusterSpec, split_address
 from tfnb.cluster.worker import READY, status_path
 from tfnb.errors import ClusterError, SpecError
+from tfnb.hooks import workers_stopping
 
-_live: "weakref.WeakSet[LocalCluster]" = weakref.WeakSet()
+_live: weakref.WeakSet[LocalCluster] = weakref.WeakSet()
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
@@ -91,7 +91,8 @@ class LocalCluster:
     @staticmethod
     def check_arguments(n_workers, timeout, cpus) -> list[str | None]:
         """SpecError naming the first bad argument; the CPU set of each worker otherwise."""
-        if isinstance(n_workers, bool) or not isinstance(n_workers, int) or not 1 <= n_workers <= 64:
+        if isinstance(n_workers, bool) or not isinstance(n_workers, int) \
+                or not 1 <= n_workers <= 64:
             raise SpecError(f"n_workers={n_workers!r}; expected an integer from 1 to 64")
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
             raise SpecError(f"timeout={timeout!r}; expected a number of seconds > 0")
@@ -129,9 +130,11 @@ class LocalCluster:
                                     env=env, start_new_session=True)
 
     def _await_ready(self, tasks: list[int]) -> dict[int, dict]:
-        """Wait (bounded) for each task's ready line and a successful probe; fail naming the rest."""
+        """Wait (bounded) for each task's ready line and a successful probe; fail naming the
+        rest."""
         ready: dict[int, dict] = {}
-        readers = [threading.Thread(target=self._read_ready, args=(i, self.procs[i], ready), daemon=True)
+        readers = [threading.Thread(target=self._read_ready, args=(i, self.procs[i], ready),
+                                    daemon=True)
                    for i in tasks]
         for t in readers:
             t.start()
@@ -179,8 +182,10 @@ class LocalCluster:
         for i in missing:
             tail = tails[i]
             code = self.procs[i].poll()
-            why = f"exited with code {code}" if code is not None else f"no answer within {self.timeout:g} s"
-            details.append(f"worker {i} ({self.spec.addresses[i]}) {why}" + (f": {' | '.join(tail)}" if tail else ""))
+            why = f"exited with code {code}" if code is not None \
+                else f"no answer within {self.timeout:g} s"
+            details.append(f"worker {i} ({self.spec.addresses[i]}) {why}"
+                           + (f": {' | '.join(tail)}" if tail else ""))
         raise ClusterError("local cluster did not start; " + "; ".join(details))
 
     @property
@@ -201,7 +206,8 @@ class LocalCluster:
     def scopes(self) -> dict[str, str]:
         """``{"worker 0 (127.0.0.1:p)": listening scope}`` for each worker."""
         guarded = self.guard is not None
-        return {f"worker {i} ({a})": ("loopback (guarded)" if guarded else info.get("listening", "unknown"))
+        return {f"worker {i} ({a})": ("loopback (guarded)" if guarded
+                                      else info.get("listening", "unknown"))
                 for i, (a, info) in enumerate(zip(self.spec.addresses, self.info))}
 
     def kill(self, task: int, sig: int = 9) -> None:
@@ -213,7 +219,8 @@ class LocalCluster:
         process's pipes are closed."""
         proc = self.procs[task]
         if proc.poll() is None:
-            workers_stopping([self.spec.addresses[task]], f"worker {task} was restarted", final=True)
+            workers_stopping([self.spec.addresses[task]], f"worker {task} was restarted",
+                             final=True)
             proc.kill()
         proc.wait(10)
         _close_pipes(proc)
@@ -253,7 +260,7 @@ class LocalCluster:
             self.guard = None
         _live.discard(self)
 
-    def __enter__(self) -> "LocalCluster":
+    def __enter__(self) -> LocalCluster:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -127,7 +127,8 @@ def probe(address: str, timeout: float = 5.0) -> ProbeResult:
     try:
         devices = decode_status(payload)
     except (ValueError, IndexError):
-        return ProbeResult(address, "unresponsive", latency, error="answered, but not like a TF server")
+        return ProbeResult(address, "unresponsive", latency,
+                           error="answered, but not like a TF server")
     return ProbeResult(address, "up", latency, devices)
 
 

@@ -14,9 +14,9 @@ import atexit
 import ipaddress
 import itertools
 import os
-import threading
 import shutil
 import subprocess
+import threading
 import warnings
 
 from tfnb.errors import ClusterError
@@ -46,7 +46,8 @@ def _listen_addresses(port: int) -> list[str]:
                     if state != "0A" or int(hexport, 16) != port:
                         continue
                     # each 32-bit word is stored in host (little-endian) byte order
-                    raw = b"".join(bytes.fromhex(hexaddr[i:i + 8])[::-1] for i in range(0, width, 8))
+                    raw = b"".join(bytes.fromhex(hexaddr[i:i + 8])[::-1]
+                                   for i in range(0, width, 8))
                     found.append(str(ipaddress.ip_address(raw)))
         except (OSError, StopIteration):
             continue
@@ -69,7 +70,8 @@ def listening_scope(port: int) -> str:
         return "unknown"
     if all(ipaddress.ip_address(a).is_loopback for a in addrs):
         return "loopback"
-    for wildcard, label in (("0.0.0.0", "all interfaces (0.0.0.0)"), ("::", "all interfaces ([::])")):
+    for wildcard, label in (("0.0.0.0", "all interfaces (0.0.0.0)"),
+                            ("::", "all interfaces ([::])")):
         if wildcard in addrs:
             return label
     return ", ".join(sorted(set(addrs)))
@@ -92,7 +94,8 @@ def warn_if_exposed(servers: dict[str, str]) -> bool:
 
 
 def _nft(script: str) -> None:
-    res = subprocess.run(["nft", "-f", "-"], input=script, text=True, capture_output=True, timeout=10)
+    res = subprocess.run(["nft", "-f", "-"], input=script, text=True, capture_output=True,
+                         timeout=10)
     if res.returncode != 0:
         raise ClusterError(f"nft refused the loopback guard: {res.stderr.strip()}")
 
@@ -116,15 +119,17 @@ class LoopbackGuard:
 
     def __init__(self, ports: list[int], *, name: str | None = None):
         if not shutil.which("nft"):
-            raise ClusterError("isolate=True needs the nft command (Debian: apt-get install nftables)")
+            raise ClusterError("isolate=True needs the nft command (Debian: apt-get install "
+                               "nftables)")
         if os.geteuid() != 0:
-            raise ClusterError("isolate=True needs root to install an nftables rule; run as root or "
-                               "keep the machine on an isolated network")
+            raise ClusterError("isolate=True needs root to install an nftables rule; run as root "
+                               "or keep the machine on an isolated network")
         self.table = f"tfnb_{os.getpid()}_{name or next(_seq)}"
         self.ports: list[int] = []
         _remove_stale_tables()
         _nft(f"add table inet {self.table}\n"
-             f"add chain inet {self.table} input {{ type filter hook input priority -10; policy accept; }}\n")
+             f"add chain inet {self.table} input "
+             "{ type filter hook input priority -10; policy accept; }\n")
         self.add_ports(ports)
 
     def add_ports(self, ports: list[int]) -> None:
@@ -137,7 +142,8 @@ class LoopbackGuard:
 
     def close(self) -> None:
         if self.ports is not None:
-            subprocess.run(["nft", "delete", "table", "inet", self.table], capture_output=True, timeout=10)
+            subprocess.run(["nft", "delete", "table", "inet", self.table], capture_output=True,
+                           timeout=10)
             self.ports = None
 
     def __repr__(self) -> str:
@@ -175,4 +181,5 @@ def _remove_stale_tables() -> None:
         name = line.split()[-1] if line.startswith("table inet tfnb_") else ""
         pid = name.removeprefix("tfnb_").split("_")[0]
         if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-            subprocess.run(["nft", "delete", "table", "inet", name], capture_output=True, timeout=10)
+            subprocess.run(["nft", "delete", "table", "inet", name], capture_output=True,
+                           timeout=10)

@@ -8,7 +8,8 @@ Accepted forms (see :func:`parse_spec`):
 - a path to a JSON file holding such a dict, or a ``TF_CONFIG``-style dict with ``"cluster"``;
 - the ``TF_CONFIG`` environment variable (``parse_spec(tf_config=True)``);
 - a :class:`tfnb.LocalCluster` or a :class:`tfnb.Cluster`;
-- a TensorFlow cluster resolver (Slurm, Kubernetes, TF_CONFIG, Simple), or a ``tf.train.ClusterSpec``.
+- a TensorFlow cluster resolver (Slurm, Kubernetes, TF_CONFIG, Simple), or a
+  ``tf.train.ClusterSpec``.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from pathlib import Path
 
 from tfnb.errors import SpecError
 
-_HOST_RE = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
+_HOST_RE = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                      r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
 _JOB_RE = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
 _ACCEPTED = ('"host:port,host:port", a dict like {"worker": ["host:port", ...]}, a path to a '
              "JSON cluster file, TF_CONFIG, a LocalCluster, or a TF cluster resolver")
@@ -47,16 +49,19 @@ def parse_address(text: object) -> str:
     addr = text.strip()
     host, sep, port = addr.rpartition(":")
     if not sep or not host:
-        raise SpecError(f"address {_short(text)} has no port; expected 'host:port', e.g. '127.0.0.1:2222'")
+        raise SpecError(f"address {_short(text)} has no port; expected 'host:port', e.g. "
+                        "'127.0.0.1:2222'")
     if not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise SpecError(f"address {_short(text)} has port {port!r}; a port is a number from 1 to 65535")
+        raise SpecError(f"address {_short(text)} has port {port!r}; a port is a number from 1 "
+                        "to 65535")
     if host.startswith("[") and host.endswith("]"):
         try:
             ipaddress.IPv6Address(host[1:-1])
         except ValueError:
             raise SpecError(f"address {_short(text)} has an invalid IPv6 host {host!r}") from None
     elif ":" in host:
-        raise SpecError(f"address {_short(text)}: write an IPv6 host in brackets, e.g. '[::1]:2222'")
+        raise SpecError(f"address {_short(text)}: write an IPv6 host in brackets, e.g. "
+                        "'[::1]:2222'")
     elif not _HOST_RE.match(host):
         raise SpecError(f"address {_short(text)} has an invalid host name {host!r}")
     return f"{host}:{int(port)}"
@@ -84,7 +89,7 @@ class ClusterSpec:
     jobs: tuple[tuple[str, tuple[str, ...]], ...]
 
     @classmethod
-    def parse(cls, value: object = None, *, tf_config: bool = False) -> "ClusterSpec":
+    def parse(cls, value: object = None, *, tf_config: bool = False) -> ClusterSpec:
         return parse_spec(value, tf_config=tf_config)
 
     def as_dict(self) -> dict[str, list[str]]:
@@ -99,7 +104,8 @@ class ClusterSpec:
         return [a for _, _, a in self.tasks()]
 
     def device_prefix(self, address: str) -> str:
-        """The TF device prefix of the task at ``address``, e.g. ``/job:worker/replica:0/task:1``."""
+        """The TF device prefix of the task at ``address``, e.g.
+        ``/job:worker/replica:0/task:1``."""
         for job, i, a in self.tasks():
             if a == address:
                 return f"/job:{job}/replica:0/task:{i}"
@@ -122,23 +128,28 @@ def _from_mapping(mapping: dict, origin: str) -> ClusterSpec:
     seen: dict[str, str] = {}
     for job, tasks in mapping.items():
         if not isinstance(job, str) or not _JOB_RE.match(job):
-            raise SpecError(f"{origin}: job name {_short(job)} is invalid; use lower-case letters, digits, _")
+            raise SpecError(f"{origin}: job name {_short(job)} is invalid; use lower-case "
+                            "letters, digits, _")
         if isinstance(tasks, dict):  # TF's sparse form {index: address}
             try:
                 order = sorted((int(k), v) for k, v in tasks.items())
             except (TypeError, ValueError):
-                raise SpecError(f"{origin}: job {job!r} maps {_short(tasks)}; task keys must be integers") from None
+                raise SpecError(f"{origin}: job {job!r} maps {_short(tasks)}; task keys must be "
+                                "integers") from None
             if [k for k, _ in order] != list(range(len(order))):
-                raise SpecError(f"{origin}: job {job!r} has task indices {[k for k, _ in order]}; expected 0..n-1")
+                raise SpecError(f"{origin}: job {job!r} has task indices "
+                                f"{[k for k, _ in order]}; expected 0..n-1")
             tasks = [v for _, v in order]
         elif isinstance(tasks, str):
             tasks = [t for t in tasks.split(",") if t.strip()]
         if not isinstance(tasks, (list, tuple)) or not tasks:
-            raise SpecError(f"{origin}: job {job!r} has tasks {_short(tasks)}; expected a non-empty list of 'host:port'")
+            raise SpecError(f"{origin}: job {job!r} has tasks {_short(tasks)}; expected a "
+                            "non-empty list of 'host:port'")
         addrs = tuple(parse_address(t) for t in tasks)
         for a in addrs:
             if a in seen:
-                raise SpecError(f"{origin}: address {a!r} appears twice (jobs {seen[a]!r} and {job!r}); each task needs its own port")
+                raise SpecError(f"{origin}: address {a!r} appears twice (jobs {seen[a]!r} and "
+                                f"{job!r}); each task needs its own port")
             seen[a] = job
         jobs.append((job, addrs))
     return ClusterSpec(tuple(jobs))
@@ -152,9 +163,11 @@ def _from_file(path: Path) -> ClusterSpec:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
-        raise SpecError(f"cluster file {str(path)!r} is not valid JSON (line {e.lineno}: {e.msg})") from None
+        raise SpecError(f"cluster file {str(path)!r} is not valid JSON (line {e.lineno}: "
+                        f"{e.msg})") from None
     if not isinstance(data, dict):
-        raise SpecError(f"cluster file {str(path)!r} holds a {type(data).__name__}; expected a JSON object of jobs")
+        raise SpecError(f"cluster file {str(path)!r} holds a {type(data).__name__}; expected a "
+                        "JSON object of jobs")
     return _from_mapping(data, f"cluster file {str(path)!r}")
 
 
@@ -186,7 +199,8 @@ def parse_spec(value: object = None, *, tf_config: bool = False) -> ClusterSpec:
     """
     if tf_config:
         if value is not None:
-            raise SpecError(f"give either a cluster spec or tf_config=True, not both (got {_short(value)})")
+            raise SpecError("give either a cluster spec or tf_config=True, not both (got "
+                            f"{_short(value)})")
         return _from_tf_config()
     if isinstance(value, ClusterSpec):
         return value
@@ -201,7 +215,8 @@ def parse_spec(value: object = None, *, tf_config: bool = False) -> ClusterSpec:
             try:
                 data = json.loads(text)
             except json.JSONDecodeError as e:
-                raise SpecError(f"cluster spec {_short(value)} looks like JSON but is not ({e.msg})") from None
+                raise SpecError(f"cluster spec {_short(value)} looks like JSON but is not "
+                                f"({e.msg})") from None
             if not isinstance(data, dict):
                 raise SpecError(f"cluster spec {_short(value)} is not a JSON object")
             return _from_mapping(data, "cluster spec")
@@ -223,7 +238,7 @@ def parse_spec(value: object = None, *, tf_config: bool = False) -> ClusterSpec:
     if callable(resolve):  # a tf.distribute.cluster_resolver.ClusterResolver
         try:
             tf_spec = resolve()
-        except Exception as e:  # resolvers raise many types (Slurm env, k8s API errors)
+        except Exception as e:  # noqa: BLE001 - resolvers raise many types (Slurm env, k8s API)
             raise SpecError(f"cluster resolver {type(value).__name__} failed: {e}") from None
         return _from_mapping(tf_spec.as_dict(), type(value).__name__)
     raise SpecError(f"cluster spec {_short(value)} is not understood; expected {_ACCEPTED}")

@@ -42,7 +42,8 @@ class WorkerStatus:
 
 @dataclass(frozen=True)
 class ClusterStatus:
-    """A snapshot; ``workers`` in task order, ``servers`` maps each server to its listening scope."""
+    """A snapshot; ``workers`` in task order, ``servers`` maps each server to its listening
+    scope."""
 
     workers: tuple[WorkerStatus, ...]
     servers: dict = field(default_factory=dict)
@@ -70,7 +71,8 @@ class ClusterStatus:
     def __str__(self) -> str:
         cols = ["task", "address", "state", "latency_ms", "device", "memory", "error"]
         rows = [[("" if r[c] is None else str(r[c])) for c in cols] for r in self.rows()]
-        widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
+        widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c)
+                  for i, c in enumerate(cols)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths))]
         lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
         lines += [f"{name}: listens on {scope}" for name, scope in self.servers.items()]
@@ -89,11 +91,14 @@ class ClusterStatus:
             if r["error"]:
                 state += f' <small>({html.escape(r["error"])})</small>'
             lat = "" if r["latency_ms"] is None else f'{r["latency_ms"]:.1f} ms'
-            cells = [r["task"], r["address"], None, lat, f'{r["device"]} ({r["type"]})', r["memory"]]
-            body.append("<tr>" + "".join(f"<td>{state if c is None else html.escape(str(c))}</td>" for c in cells) + "</tr>")
+            cells = [r["task"], r["address"], None, lat, f'{r["device"]} ({r["type"]})',
+                     r["memory"]]
+            body.append("<tr>" + "".join(f"<td>{state if c is None else html.escape(str(c))}</td>"
+                                         for c in cells) + "</tr>")
         notes = "".join(f"<li>{html.escape(n)}: listens on <b>{html.escape(s)}</b></li>"
                         for n, s in self.servers.items())
-        return (f'<table class="tfnb-status"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
+        return (f'<table class="tfnb-status"><thead><tr>{head}</tr></thead>'
+                f'<tbody>{"".join(body)}</tbody></table>'
                 + (f"<ul>{notes}</ul>" if notes else ""))
 
 
@@ -157,8 +162,8 @@ def parse_status_file(path: str, text: str, task: str) -> dict:
     try:
         data = json.loads(text)
     except ValueError as e:
-        raise StatusFileError(f"{where} is not JSON ({e}): {text[:60]!r}; a tfnb worker rewrites it "
-                              "every 2 s, so remove it or restart the worker") from None
+        raise StatusFileError(f"{where} is not JSON ({e}): {text[:60]!r}; a tfnb worker rewrites "
+                              "it every 2 s, so remove it or restart the worker") from None
     if not isinstance(data, dict):
         raise StatusFileError(f"{where} holds {type(data).__name__} {text[:60]!r}; expected a JSON "
                               "object of memory figures")
@@ -188,7 +193,7 @@ def _memory_all(targets: list[tuple[str, str]], wait: float) -> dict[str, dict]:
         def run(box=box, task=task, paths=paths):
             try:
                 box["result"] = _read_remote(f"{task}/device:CPU:0", paths)
-            except Exception:  # the worker went away meanwhile: its figures stay unknown
+            except Exception:  # noqa: BLE001 - the worker went away meanwhile: figures unknown
                 pass
 
         threads.append(threading.Thread(target=run, daemon=True))
@@ -200,8 +205,10 @@ def _memory_all(targets: list[tuple[str, str]], wait: float) -> dict[str, dict]:
     for task, box in boxes.items():
         which, text = box.get("result", (None, ""))
         if which == "/proc/meminfo":  # in kB
-            kb = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in text.splitlines() if ln.split()[1:]}
-            out[task] = {"host_ram_total": kb.get("MemTotal"), "host_ram_available": kb.get("MemAvailable")}
+            kb = {ln.split(":")[0]: int(ln.split()[1]) * 1024
+                  for ln in text.splitlines() if ln.split()[1:]}
+            out[task] = {"host_ram_total": kb.get("MemTotal"),
+                         "host_ram_available": kb.get("MemAvailable")}
         elif which:
             out[task] = parse_status_file(which, text, task)
     return out
@@ -223,13 +230,14 @@ def gather(spec: ClusterSpec, timeout: float, *, connected: bool, servers: dict 
         devices = []
         for d in pr.devices:
             if d.device_type == "CPU":
-                devices.append(DeviceStatus(d.name, "CPU", mem.get("host_ram_total"), mem.get("host_ram_available")))
+                devices.append(DeviceStatus(d.name, "CPU", mem.get("host_ram_total"),
+                                            mem.get("host_ram_available")))
             else:
                 used = in_use.get(d.short)
-                devices.append(DeviceStatus(d.name, d.device_type, d.memory_limit or None,
-                                            None if used is None else max(0, d.memory_limit - used)))
+                free = None if used is None else max(0, d.memory_limit - used)
+                devices.append(DeviceStatus(d.name, d.device_type, d.memory_limit or None, free))
         workers.append(WorkerStatus(task, address, pr.state,
-                                    None if pr.latency_s is None else pr.latency_s * 1e3, tuple(devices),
-                                    mem.get("host_ram_total"), mem.get("host_ram_available"), pr.error,
-                                    mem.get("cpus")))
+                                    None if pr.latency_s is None else pr.latency_s * 1e3,
+                                    tuple(devices), mem.get("host_ram_total"),
+                                    mem.get("host_ram_available"), pr.error, mem.get("cpus")))
     return ClusterStatus(tuple(workers), dict(servers or {}), time.perf_counter() - start)

@@ -72,7 +72,8 @@ def _memory_snapshot(tf) -> dict:
     for dev in tf.config.list_logical_devices("GPU"):
         try:
             info = tf.config.experimental.get_memory_info(dev.name.split("device:")[-1])
-            gpus.append({"device": dev.name, "in_use": int(info["current"]), "peak": int(info["peak"])})
+            gpus.append({"device": dev.name, "in_use": int(info["current"]),
+                         "peak": int(info["peak"])})
         except (ValueError, RuntimeError):
             pass
     return {"pid": os.getpid(), "host_ram_total": vm.total, "host_ram_available": vm.available,
@@ -188,7 +189,8 @@ def serve(cluster: str, job: str, task: int, *, profiler_port: int | None = None
         if job not in jobs:
             raise SpecError(f"job {job!r} is not in the cluster; it has {sorted(jobs)}")
         if not 0 <= task < len(jobs[job]):
-            raise SpecError(f"task {task} is out of range for job {job!r} ({len(jobs[job])} tasks: 0..{len(jobs[job]) - 1})")
+            raise SpecError(f"task {task} is out of range for job {job!r} ({len(jobs[job])} "
+                            f"tasks: 0..{len(jobs[job]) - 1})")
     except SpecError as e:
         print(f"tfnb worker: {e}", file=sys.stderr)
         return 2

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import html
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import numpy as np
 
@@ -278,7 +278,8 @@ class LayerChain:
 
     def __repr__(self) -> str:
         return (f"LayerChain({len(self)} stages: {', '.join(self.names[:2])}"
-                f"{', ...' if len(self) > 3 else ''}{', ' + self.names[-1] if len(self) > 2 else ''};"
+                f"{', ...' if len(self) > 3 else ''}"
+                f"{', ' + self.names[-1] if len(self) > 2 else ''};"
                 f" {format_bytes(self.total_param_bytes, 'MB', 2)})")
 
     def _repr_html_(self) -> str:

@@ -153,9 +153,10 @@ def random_weights(config: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
     """Random float32 weights whose logits are well spread (no ties among the top tokens).
 
     Matrices are drawn N(0, 1/fan_in) so activations keep unit scale through the blocks. The
-    embedding (and an untied ``lm_head``) is N(0, 0.35^2): after the final RMSNorm the hidden state
-    has norm ~sqrt(d), so logits have standard deviation ~0.35 sqrt(d) (~2.8 for d=64), spread
-    enough that greedy decoding has no ties and sampling still varies. Norm gains are 1 + N(0, 0.1^2).
+    embedding (and an untied ``lm_head``) is N(0, 0.35^2): after the final RMSNorm the hidden
+    state has norm ~sqrt(d), so logits have standard deviation ~0.35 sqrt(d) (~2.8 for d=64),
+    spread enough that greedy decoding has no ties and sampling still varies. Norm gains are
+    1 + N(0, 0.1^2).
 
     Examples
     --------
@@ -222,7 +223,8 @@ def config_from_hf(hf_cfg) -> LlamaConfig:
     head_dim = getattr(hf_cfg, "head_dim", None) or hidden // heads
     if head_dim != hidden // heads:
         raise ModelError(f"config head_dim={head_dim} differs from hidden_size // num_heads = "
-                         f"{hidden // heads}: only head_dim == hidden_size // num_heads is supported")
+                         f"{hidden // heads}: only head_dim == hidden_size // num_heads is "
+                         "supported")
     return LlamaConfig(
         vocab_size=hf_cfg.vocab_size,
         hidden_size=hidden,
@@ -319,7 +321,8 @@ def to_hf(config: LlamaConfig, weights: dict[str, np.ndarray]):
     expected = weight_shapes(config)
     missing = sorted(set(expected) - set(weights))
     if missing:
-        raise ModelError(f"weights lack {missing[:4]}: expected every name of weight_shapes(config)")
+        raise ModelError(f"weights lack {missing[:4]}: expected every name of "
+                         "weight_shapes(config)")
     model = TFMistralForCausalLM(hf_config(config))
     model(np.zeros((1, 1), dtype=np.int32))  # build every variable
     assigned = set()
@@ -332,7 +335,8 @@ def to_hf(config: LlamaConfig, weights: dict[str, np.ndarray]):
         else:
             value = np.asarray(weights[name], np.float32)  # packed weights dequantize here
         if tuple(var.shape) != value.shape:
-            raise ModelError(f"weight {name!r} has shape {value.shape}: expected {tuple(var.shape)}")
+            raise ModelError(f"weight {name!r} has shape {value.shape}: expected "
+                             f"{tuple(var.shape)}")
         var.assign(value)
         assigned.add(name)
     assert assigned >= set(expected), sorted(set(expected) - assigned)

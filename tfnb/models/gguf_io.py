@@ -56,7 +56,8 @@ def unpermute_rows(w_RxC: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def permute_rows(w_RxC: np.ndarray, n_heads: int) -> np.ndarray:
-    """llama.cpp's permutation (HF rotary halves -> interleaved pairs); inverse of ``unpermute_rows``.
+    """llama.cpp's permutation (HF rotary halves -> interleaved pairs); inverse of
+    ``unpermute_rows``.
 
     Examples
     --------
@@ -99,7 +100,8 @@ def _metadata(reader) -> dict:
 
 
 def _short_float(value) -> float:
-    """The shortest decimal that rounds to the same float32 (GGUF's 1e-5 reads as 9.99999975e-06)."""
+    """The shortest decimal that rounds to the same float32 (GGUF's 1e-5 reads as
+    9.99999975e-06)."""
     return float(str(np.float32(value)))
 
 
@@ -125,7 +127,8 @@ def _config(meta: dict, path: str) -> LlamaConfig:
 
     def number(key, default) -> float:
         value = get(key, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not value > 0:
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) \
+                or not value > 0:
             raise ModelError(f"GGUF metadata '{arch}.{key}'={value!r} in {path!r}: "
                              "expected a positive number")
         return _short_float(value)
@@ -134,7 +137,8 @@ def _config(meta: dict, path: str) -> LlamaConfig:
     hidden = count("embedding_length")
     if hidden % n_heads:
         raise ModelError(f"GGUF metadata '{arch}.embedding_length'={hidden} in {path!r} is not "
-                         f"divisible by '{arch}.attention.head_count'={n_heads}: expected a multiple")
+                         f"divisible by '{arch}.attention.head_count'={n_heads}: expected a "
+                         "multiple")
     rope_dims = meta.get(f"{arch}.rope.dimension_count")
     if rope_dims is not None and rope_dims != hidden // n_heads:
         raise ModelError(f"GGUF rope.dimension_count={rope_dims!r} differs from head_dim="

@@ -46,7 +46,7 @@ def load_hf_dir(path: str):
                              "such as gpt2 or mistral") from None
         raise ModelError(f"{path!r} cannot be loaded as a causal LM ({str(exc)[:160]}): "
                          "expected TF weights written by save_pretrained") from None
-    except (OSError, EnvironmentError) as exc:
+    except OSError as exc:
         raise ModelError(f"{path!r} cannot be loaded as a causal LM ({str(exc)[:160]}): "
                          "expected TF weights (tf_model.h5) written by save_pretrained") from None
     if not hf_model.built:
@@ -62,7 +62,7 @@ def _load_tokenizer(path: str):
 
     try:
         hf_tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - transformers raises many types for bad files
         raise ModelError(f"tokenizer files in {path!r} cannot be read ({type(exc).__name__}: "
                          f"{str(exc)[:120]}): expected files written by save_pretrained") from None
     eos = hf_tok.eos_token_id
@@ -151,7 +151,8 @@ def load_keras_file(path: str):
 
         return tf_keras.models.load_model(path)
 
-    loaders = [load_3, load_2] if major == 3 else [load_2, load_3] if major == 2 else [load_3, load_2]
+    loaders = [load_3, load_2] if major == 3 else \
+        [load_2, load_3] if major == 2 else [load_3, load_2]
     errors = []
     for loader in loaders:
         try:

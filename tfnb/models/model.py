@@ -18,7 +18,8 @@ from tfnb.models.progress import make_reporter
 from tfnb.models.tokenizer import CharTokenizer
 from tfnb.names import format_bytes, format_count
 
-__all__ = ["Model", "load_model", "WEIGHT_FORMATS", "tiny", "MODEL_NAMES", "TINY_ARCHS", "smollm2_path"]
+__all__ = ["Model", "load_model", "WEIGHT_FORMATS", "tiny", "MODEL_NAMES", "TINY_ARCHS",
+           "smollm2_path"]
 
 ARCHS = ("llama", "hf", "keras")
 MODEL_NAMES = ("smollm2",)

@@ -95,7 +95,7 @@ class PackedTensor:
         return f"PackedTensor({self.qtype_name}, shape={self.shape}, {self.nbytes} bytes)"
 
 
-def fuse_rows(parts: list) -> "PackedTensor | np.ndarray":
+def fuse_rows(parts: list) -> PackedTensor | np.ndarray:
     """Kernel matrices side by side (``[a | b | c]`` on the output axis): one ``PackedTensor``
     (their rows stacked) when all are packed in the same type, else a float32 array."""
     if all(isinstance(p, PackedTensor) and p.transposed for p in parts) \

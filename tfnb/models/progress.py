@@ -12,7 +12,7 @@ step starts, with growing ``done`` while it runs, and with ``done == total`` whe
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from tfnb.errors import ModelError
 
@@ -89,4 +89,5 @@ def make_reporter(progress) -> Reporter:
         return progress
     if progress is True:
         return TqdmReporter()
-    raise ModelError(f"progress={progress!r}: expected True, False or a callable(done, total, what)")
+    raise ModelError(f"progress={progress!r}: expected True, False or a "
+                     "callable(done, total, what)")

@@ -7,7 +7,7 @@ character-level tokenizer for the random test models.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from tfnb.errors import ModelError
 

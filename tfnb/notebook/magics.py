@@ -7,8 +7,8 @@ function each.
 - ``%tfserve PLACED``: serve a placed model over OpenAI's HTTP API (:func:`tfnb.serve`).
 
 Loading the extension also turns on live text for generate calls and shows matplotlib Figures
-inline. Bad arguments raise :class:`IPython.core.error.UsageError` (IPython shows one line, no traceback)
-before any state changes; errors tfnb raises on purpose are shown the same way.
+inline. Bad arguments raise :class:`IPython.core.error.UsageError` (IPython shows one line, no
+traceback) before any state changes; errors tfnb raises on purpose are shown the same way.
 """
 from __future__ import annotations
 

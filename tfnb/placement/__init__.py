@@ -9,13 +9,19 @@ Examples
 >>> sorted(set(p.assignment.values()))
 ['a', 'b']
 """
+from tfnb.names import OBJECTIVES, PLAN_MODES, PLANNERS
 from tfnb.placement.apply import place
 from tfnb.placement.cost import DEFAULT_CONTEXT_LEN, Prediction, Topology, parse_bytes, predict
 from tfnb.placement.measure import clear_cache, measure_topology
-from tfnb.names import OBJECTIVES, PLAN_MODES, PLANNERS
 from tfnb.placement.plan import Plan, PlanDiff, Segment
-from tfnb.placement.planners import (as_topology, greedy_assignment, memory_assignment,
-                                     optimal_assignment, plan, replica_groups)
+from tfnb.placement.planners import (
+    as_topology,
+    greedy_assignment,
+    memory_assignment,
+    optimal_assignment,
+    plan,
+    replica_groups,
+)
 
 __all__ = ["DEFAULT_CONTEXT_LEN", "OBJECTIVES", "PLANNERS", "PLAN_MODES", "Plan", "PlanDiff",
            "Prediction", "Segment", "Topology", "as_topology", "clear_cache", "greedy_assignment",

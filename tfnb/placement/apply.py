@@ -15,7 +15,8 @@ def _assignment(model, plan, cluster) -> dict:
     """Stage -> device from a Plan, a dict, or a list of devices (even contiguous split)."""
     chain = model.chain
     if isinstance(plan, Plan):
-        plan.validate(chain, cluster.devices if cluster is not None else list(set(plan.assignment.values())))
+        plan.validate(chain, cluster.devices if cluster is not None
+                      else list(set(plan.assignment.values())))
         return dict(plan.assignment)
     if isinstance(plan, (list, tuple, str)):
         from tfnb.runtime.devices import even_split
@@ -71,7 +72,8 @@ def place(model, plan=None, cluster=None, *, timeout: float | None = 60.0, previ
     if cluster is not None:
         unknown = sorted(set(assignment.values()) - set(cluster.devices))
         if unknown:
-            raise PlacementError(f"device {unknown[0]!r} is not in the cluster; it has {cluster.devices}")
+            raise PlacementError(f"device {unknown[0]!r} is not in the cluster; it has "
+                                 f"{cluster.devices}")
     # the runtime imports TensorFlow: only when a model is placed
     if model.arch == "llama":
         from tfnb.runtime import place_llama
@@ -85,12 +87,14 @@ def place(model, plan=None, cluster=None, *, timeout: float | None = 60.0, previ
 
         placed = place_layers(model, assignment)
     else:
-        raise PlacementError(f"model {model.name!r} has arch {model.arch!r}: place() runs llama-family "
-                             "models and Keras chains; run this one in one process with model.hf_model")
+        raise PlacementError(f"model {model.name!r} has arch {model.arch!r}: place() runs "
+                             "llama-family models and Keras chains; run this one in one process "
+                             "with model.hf_model")
     placed.plan = plan if isinstance(plan, Plan) else None  # a declared attribute of both
     if cluster is not None:
         n = len(set(assignment.values()))
-        cluster.register(placed, f"{model.name} placed on {n} device{'s' * (n > 1)}", assignment.values())
+        cluster.register(placed, f"{model.name} placed on {n} device{'s' * (n > 1)}",
+                         assignment.values())
     return placed
 
 

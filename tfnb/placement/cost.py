@@ -200,14 +200,14 @@ class Topology:
         return tokens * stage.flops(prompt_len // 2) / float(self.flops[d])
 
     # --- derived topologies -----------------------------------------------------------------
-    def _copy(self, **changes) -> "Topology":
+    def _copy(self, **changes) -> Topology:
         kw = dict(devices=self.devices, memory=self.memory, flops=self.flops,
                   latency=self.latency, bandwidth=self.bandwidth, stage_times=self.stage_times,
                   prefill_times=self.prefill_times)
         kw.update(changes)
         return Topology(**kw)
 
-    def subset(self, devices) -> "Topology":
+    def subset(self, devices) -> Topology:
         """The topology of ``devices`` alone (in that order): their caps, speeds, links and
         measured times.
 
@@ -221,7 +221,7 @@ class Topology:
                         {k: t for k, t in self.stage_times.items() if k[1] in keep},
                         {k: t for k, t in self.prefill_times.items() if k[1] in keep})
 
-    def with_max_memory(self, max_memory) -> "Topology":
+    def with_max_memory(self, max_memory) -> Topology:
         """A copy whose memory caps are replaced by ``max_memory``: a dict device -> bytes, or
         one cap (bytes or a string like ``"400MB"``) for every device.
 
@@ -244,11 +244,11 @@ class Topology:
             memory[self.index(dev)] = parse_bytes(cap)
         return self._copy(memory=memory)
 
-    def with_stage_times(self, stage_times: dict) -> "Topology":
+    def with_stage_times(self, stage_times: dict) -> Topology:
         """A copy with measured ``{(stage, device): seconds}`` added (calibration hook)."""
         return self._copy(stage_times={**self.stage_times, **dict(stage_times)})
 
-    def with_prefill_times(self, prefill_times: dict) -> "Topology":
+    def with_prefill_times(self, prefill_times: dict) -> Topology:
         """A copy with measured ``{(stage, device): seconds per prompt}`` added."""
         return self._copy(prefill_times={**self.prefill_times, **dict(prefill_times)})
 

@@ -156,8 +156,8 @@ def optimal_segments(chain, topo: Topology, batch: int, context_len: int,
         for u, F in level.items():
             done = F[:, :, N] if depth == 1 else search.add(F[:, :, N], search.ret.T)
             if done.min() < best:
-                f, l = np.unravel_index(np.argmin(done), done.shape)
-                best, best_key = float(done[f, l]), (u, int(f), int(l))
+                first, last = np.unravel_index(np.argmin(done), done.shape)
+                best, best_key = float(done[first, last]), (u, int(first), int(last))
                 search.limit = min(search.limit, best * (1 + 1e-9) + 1e-15)
             search.extend(u, F, nxt)
         if beam is not None and len(nxt) > beam:
@@ -272,18 +272,19 @@ class _Search:
             del self.table[v]
         return {v: nxt[v] for v in keep}
 
-    def trace_back(self, u, f: int, l: int) -> list:
-        """``[(device, start, stop), ...]`` of the plan whose value is ``table[u][f, l, N]``."""
+    def trace_back(self, u, first: int, last: int) -> list:
+        """``[(device, start, stop), ...]`` of the plan whose value is
+        ``table[u][first, last, N]``."""
         j, segs, add = self.N, [], self.add
-        while sum(u) > 1:   # recompute which (previous class, start) gave F[u][f, l, j]
-            prev = tuple(x - (c == l) for c, x in enumerate(u))
-            g = add(self.table[prev][f, :, :], self.hop[:, l, :])             # (l', i)
-            starts, costs = self.band_i[l, j], self.band_t[l, j]
-            total = add(g[:, starts], costs[None, :])                         # (l', W)
+        while sum(u) > 1:   # recompute which (previous class, start) gave F[u][first, last, j]
+            prev = tuple(x - (c == last) for c, x in enumerate(u))
+            g = add(self.table[prev][first, :, :], self.hop[:, last, :])      # (last', i)
+            starts, costs = self.band_i[last, j], self.band_t[last, j]
+            total = add(g[:, starts], costs[None, :])                         # (last', W)
             pl, w = np.unravel_index(np.argmin(total), total.shape)
             i = int(starts[w])
-            segs.append((l, i, j))
-            u, l, j = prev, int(pl), i
-        segs.append((l, 0, j))
+            segs.append((last, i, j))
+            u, last, j = prev, int(pl), i
+        segs.append((last, 0, j))
         pool = [list(c) for c in self.classes]
         return [(self.topo.devices[pool[c].pop(0)], i, j) for c, i, j in reversed(segs)]

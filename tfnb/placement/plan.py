@@ -17,8 +17,15 @@ from pathlib import Path
 from tfnb.errors import PlacementError
 from tfnb.models.chain import Segment, block_index, block_stage, segments
 from tfnb.names import MANUAL, OBJECTIVES, PLAN_MODES, format_bytes, format_span, short_device
-from tfnb.placement.cost import (DEFAULT_CONTEXT_LEN, Prediction, Topology, check_assignment,
-                                 check_load, predict, predict_replicated)
+from tfnb.placement.cost import (
+    DEFAULT_CONTEXT_LEN,
+    Prediction,
+    Topology,
+    check_assignment,
+    check_load,
+    predict,
+    predict_replicated,
+)
 
 __all__ = ["Plan", "PlanDiff", "Segment"]
 
@@ -46,7 +53,8 @@ class PlanDiff:
                 runs[-1][0].append(stage)
             else:
                 runs.append([[stage], a, b])
-        return "\n".join(f"{format_span(s)}: {short_device(a)} -> {short_device(b)}" for s, a, b in runs)
+        return "\n".join(f"{format_span(s)}: {short_device(a)} -> {short_device(b)}"
+                         for s, a, b in runs)
 
     def __repr__(self) -> str:
         return f"PlanDiff({len(self)} stages moved)"
@@ -125,7 +133,7 @@ class Plan:
     def from_assignment(cls, chain, assignment: dict, topology: Topology, batch: int = 1,
                         context_len: int | None = None, mode: str = MANUAL,
                         objective: str = "latency", replicas=(), planner_s: float = 0.0,
-                        prompt_len: int = 0, new_tokens: int = 0) -> "Plan":
+                        prompt_len: int = 0, new_tokens: int = 0) -> Plan:
         """A validated plan for ``assignment`` with its predicted figures (for requests of
         ``prompt_len`` and ``new_tokens`` tokens when given: :func:`~tfnb.placement.cost.predict`).
 
@@ -159,7 +167,7 @@ class Plan:
                 f"{format_bytes(cap, 'MB', 1)}: {format_bytes(need - cap, 'MB', 1)} over; move "
                 "stages elsewhere or raise max_memory")
 
-    def validate(self, chain, topology) -> "Plan":
+    def validate(self, chain, topology) -> Plan:
         """Raise PlacementError if the plan does not fit ``chain`` and ``topology``; else self.
 
         ``topology`` is a :class:`Topology` (names, memory caps) or a list of device strings
@@ -220,7 +228,7 @@ class Plan:
         """Runs of consecutive stages on one device, in chain order."""
         return segments(self.assignment)
 
-    def diff(self, other: "Plan") -> PlanDiff:
+    def diff(self, other: Plan) -> PlanDiff:
         """Which stages move, from where to where, going from ``self`` to ``other``.
 
         Examples
@@ -253,7 +261,7 @@ class Plan:
                 "planner_s": self.planner_s}
 
     @classmethod
-    def from_dict(cls, data: dict, origin: str = "plan") -> "Plan":
+    def from_dict(cls, data: dict, origin: str = "plan") -> Plan:
         """Inverse of :meth:`to_dict`; PlacementError naming what is wrong."""
         if not isinstance(data, dict) or data.get("format") != _FORMAT:
             raise PlacementError(f"{origin} is not a tfnb plan (no \"format\": \"{_FORMAT}\"): "
@@ -288,7 +296,7 @@ class Plan:
         return path
 
     @classmethod
-    def load(cls, path) -> "Plan":
+    def load(cls, path) -> Plan:
         """Read a plan written by :meth:`save`; PlacementError if it is missing or corrupt.
 
         Examples

@@ -35,9 +35,15 @@ import warnings
 
 from tfnb.errors import PlacementError
 from tfnb.names import OBJECTIVES, PLANNERS, format_bytes, short_device
-from tfnb.placement.cost import (Topology, check_load, check_requests, predict,
-                                 predict_replicated, stage_memory)
 from tfnb.placement import measure
+from tfnb.placement.cost import (
+    Topology,
+    check_load,
+    check_requests,
+    predict,
+    predict_replicated,
+    stage_memory,
+)
 from tfnb.placement.optimal import TooLarge, exact_is_feasible, optimal_segments
 from tfnb.placement.plan import Plan
 
@@ -402,7 +408,8 @@ def plan(model_or_chain, cluster_or_topology, mode: str = "optimal", objective: 
         pipeline: its busiest resource and its lanes' round)
     batch, context_len : the load the memory caps (KV cache) and costs are computed for;
         ``context_len=None`` means ``DEFAULT_CONTEXT_LEN``
-    max_memory : ``{device: bytes or "512MB"}``, or one cap for every device, replacing the measured caps
+    max_memory : ``{device: bytes or "512MB"}``, or one cap for every device, replacing the
+        measured caps
     calibrate : with a cluster and a llama model, time its stages on the cluster's devices
         (once per cluster, model and load; cached) instead of estimating them from FLOPs
     prompt_len, new_tokens : the requests a served model gets (both or neither): the

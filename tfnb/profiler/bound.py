@@ -27,7 +27,9 @@ def models_in(prof) -> list:
 
 def _bandwidth(cluster, devices, bandwidth):
     if bandwidth is not None:
-        return (dict(bandwidth) if isinstance(bandwidth, dict) else dict.fromkeys(devices, float(bandwidth))), None
+        if isinstance(bandwidth, dict):
+            return dict(bandwidth), None
+        return dict.fromkeys(devices, float(bandwidth)), None
     from tfnb.errors import TfnbError
     from tfnb.placement.measure import memory_bandwidth
 
@@ -89,7 +91,8 @@ def link_rows(prof, models=None, cluster=None) -> list[dict]:
     models = models_in(prof) if models is None else list(models)
     t0, t1 = prof.t_begin_ns, prof.t_begin_ns + prof.window_ns
     devices = {d for pm in models for d in pm.devices}
-    steps = max((sum(n for n, _, _ in pm.scheduler.decode_chunks(t0, t1)) for pm in models), default=0)
+    steps = max((sum(n for n, _, _ in pm.scheduler.decode_chunks(t0, t1)) for pm in models),
+                default=0)
     topo = None
     try:
         from tfnb.cluster import current
@@ -104,7 +107,8 @@ def link_rows(prof, models=None, cluster=None) -> list[dict]:
     for t in prof.transfers():
         if t["source"] in devices and t["destination"] in devices and steps:
             rtt = None
-            if topo is not None and t["source"] in topo.devices and t["destination"] in topo.devices:
+            if topo is not None and t["source"] in topo.devices \
+                    and t["destination"] in topo.devices:
                 a, b = topo.index(t["source"]), topo.index(t["destination"])
                 rtt = 2 * float(topo.latency[a, b]) * 1e3
             rows.append({"source": t["source"], "destination": t["destination"],

@@ -26,8 +26,14 @@ from __future__ import annotations
 import re
 
 from tfnb.profiler.library import Library
-from tfnb.profiler.xplane import (TRANSFER_TYPES, Event, key_devices, parse_space, start_time_ns,
-                                  transfer_bytes)
+from tfnb.profiler.xplane import (
+    TRANSFER_TYPES,
+    Event,
+    key_devices,
+    parse_space,
+    start_time_ns,
+    transfer_bytes,
+)
 
 _RECV = frozenset({"_Recv", "_HostRecv"})
 _PASS_THROUGH = frozenset({"LoopCond", "Identity", "Enter", "Exit", "NextIteration", "Snapshot"})
@@ -72,7 +78,8 @@ class _Sizer:
         m = _NUMBERED.match(recv_name or "")
         if m:  # a control edge: the Recv feeds an Identity named one number up
             ident = self.runs.get((stats["dst"], step, f"{m.group(1)}/_{int(m.group(2)) + 1}"), [])
-            ident = [r for r in ident if r["op"] == "Identity" and (r["stats"] or {}).get("shape") == "(float[0])"]
+            ident = [r for r in ident if r["op"] == "Identity"
+                     and (r["stats"] or {}).get("shape") == "(float[0])"]
             if ident:
                 return [_input_bytes(r, 0) for r in ident]
         producers = [r for r in self.runs.get((stats["src"], step, src_node), [])
@@ -134,7 +141,7 @@ def build(raw: dict, library: Library | None = None) -> dict:
         g = groups.setdefault((st["key"], r["step"]), ([], []))
         g[0 if r["op"] in _RECV else 1].append(r)
     sizer = _Sizer(records, functions, library or Library())
-    for (key, step), (recvs, sends) in groups.items():
+    for (_key, step), (recvs, sends) in groups.items():
         side = sorted(recvs or sends, key=lambda r: r["start"])
         sizes = sizer.sizes(side[0]["stats"], step, side[0]["name"] if recvs else None)
         if sizes is None:
@@ -145,7 +152,8 @@ def build(raw: dict, library: Library | None = None) -> dict:
         for r in (sends if recvs else ()):
             r["stats"]["counted"] = False
     events = [Event(r["device"], r["thread"], r["name"], r["op"], r["start"], r["dur"], r["step"],
-                    "send/receive" if r["op"] in TRANSFER_TYPES and not r.get("local") else "compute",
+                    "send/receive" if r["op"] in TRANSFER_TYPES and not r.get("local")
+                    else "compute",
                     r["stats"])
               for r in sorted(records, key=lambda r: r["start"])]
     offsets = {host: -shift for host, shift in shifts.items()}

@@ -45,8 +45,8 @@ from tfnb.profiler.rpc import ProfilerStub, messages, options
 
 HOST_TRACER_LEVEL = 3  # 3 adds the input shapes that transfer sizes are read from (see xplane.py)
 _active: set = set()   # captures whose block is running
-_pending: set = set()  # stopped captures whose traces are still coming in or sessions still ending
-STOP_WAIT_S = 10.0     # most seconds stopping or disconnecting workers waits for traces (all together)
+_pending: set = set()  # stopped captures whose traces are still coming in or sessions ending
+STOP_WAIT_S = 10.0     # most seconds stopping or disconnecting workers waits for traces (in all)
 
 
 def _reason(err) -> str:
@@ -71,7 +71,8 @@ def _reason(err) -> str:
 
 
 def _result(future, deadline: float):
-    """A gRPC future's reply, waiting at most until ``deadline`` (time.monotonic); its error raised."""
+    """A gRPC future's reply, waiting at most until ``deadline`` (time.monotonic); its error
+    raised."""
     return future.result(timeout=max(0.0, deadline - time.monotonic()))
 
 
@@ -99,14 +100,16 @@ class Capture:
         for prior in list(_pending):  # a server runs one session at a time: let earlier ones end
             if prior.addresses & addresses:
                 prior.wait_finished(limit)
-        req = messages()["ProfileRequest"](opts=options(0, host_level=HOST_TRACER_LEVEL), emit_xspace=True,
-                                           session_id=self.session_id, duration_ms=0)
+        req = messages()["ProfileRequest"](opts=options(0, host_level=HOST_TRACER_LEVEL),
+                                           emit_xspace=True, session_id=self.session_id,
+                                           duration_ms=0)
         calls = []
         for task, address in self.targets:
             stub, replied = ProfilerStub(address), []
             t0 = time.time_ns()
             fut = stub.start_continuous.future(req, timeout=limit)
-            fut.add_done_callback(lambda f, r=replied: r.append(time.time_ns()))  # t1: the reply's arrival
+            # t1: the reply's arrival
+            fut.add_done_callback(lambda f, r=replied: r.append(time.time_ns()))
             calls.append((task, address, stub, t0, fut, replied))
         deadline = time.monotonic() + limit + 1.0
         for task, address, stub, t0, fut, replied in calls:
@@ -163,13 +166,14 @@ class Collection:
 
     def _finish(self) -> None:
         try:
-            for stub, fut, _ in self._calls.values():
+            for _stub, fut, _ in self._calls.values():
                 try:
                     _result(fut, self._deadline)
                 except Exception:  # noqa: BLE001 - result() reports it
                     pass
             limit = min(self.timeout, 5.0)
-            stops = [stub.stop_continuous.future(self._empty(), timeout=limit) for stub, _, _ in self._calls.values()]
+            stops = [stub.stop_continuous.future(self._empty(), timeout=limit)
+                     for stub, _, _ in self._calls.values()]
             end = time.monotonic() + limit + 1.0
             for f in stops:
                 try:
@@ -206,7 +210,8 @@ class Collection:
         if done:
             self._take()
         elif final:
-            self._take(f"did not hand back its trace before {why} (waited {time.monotonic() - start:.2g} s)")
+            self._take(f"did not hand back its trace before {why} "
+                       f"(waited {time.monotonic() - start:.2g} s)")
         return done
 
     def _take(self, cutoff: str | None = None) -> dict:
@@ -223,7 +228,8 @@ class Collection:
                     except Exception as e:  # noqa: BLE001 - reported per target
                         reasons[task] = f"{self.address[task]} {_reason(e)}"
                     else:
-                        spaces[task] = (self._client_task if task == "client" else task, data, tuple(t01))
+                        who = self._client_task if task == "client" else task
+                        spaces[task] = (who, data, tuple(t01))
                 self._raw = {**self._base, "spaces": spaces, "reasons": reasons}
             return self._raw
 
@@ -266,7 +272,7 @@ def _stop_all() -> None:
     for cap in list(_active):
         try:
             cap.stop()
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - at exit: one failed stop must not keep the others
             pass
     for coll in list(_pending):  # bounded by each capture's timeout (its RPCs' deadlines)
         coll.wait_finished(max(0.0, coll._deadline - time.monotonic()) + 7.0)
@@ -281,11 +287,13 @@ def resolve_cluster(cluster):
             raise ProfileError("not connected to a cluster; run tfnb.local(2), tfnb.connect(...) "
                                "or %tfcluster first") from None
     if not getattr(cluster, "connected", False):
-        raise ProfileError(f"cluster {cluster!r} is not connected; connect it again before profiling")
+        raise ProfileError(f"cluster {cluster!r} is not connected; connect it again before "
+                           "profiling")
     return cluster
 
 
 def check_timeout(timeout) -> float:
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 3600:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
+            or not 0 < timeout <= 3600:
         raise ProfileError(f"timeout={timeout!r}; expected seconds, a number > 0 and <= 3600")
     return float(timeout)

@@ -24,10 +24,8 @@ _ATTR = {"body": "body", "cond": "cond", "then": "then_branch", "else": "else_br
 
 def strip_inlined(node: str) -> str:
     """The node's name inside the innermost inlined function: ``while/body/_1/a/b`` -> ``a/b``."""
-    last = None
-    for last in _INLINED.finditer(node):
-        pass
-    return node[last.end():] if last else node
+    matches = list(_INLINED.finditer(node))
+    return node[matches[-1].end():] if matches else node
 
 
 def _data_indices(node_def, producer: str) -> set[int]:

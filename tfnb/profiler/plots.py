@@ -25,8 +25,8 @@ def busy(prof, ax, fractions: dict | None = None) -> None:
                                            if fractions.get(r["device"]) else "") for r in rows]
     left = [0.0] * len(rows)
     compiled = any(r["compile_ms"] for r in rows)
-    for key, cat in (("compute_ms", "compute"), ("compile_ms", "compile"), ("send_recv_ms", "send/receive"),
-                     ("idle_ms", "idle")):
+    for key, cat in (("compute_ms", "compute"), ("compile_ms", "compile"),
+                     ("send_recv_ms", "send/receive"), ("idle_ms", "idle")):
         if cat == "compile" and not compiled:
             continue
         vals = [r[key] for r in rows]
@@ -43,12 +43,14 @@ def timeline(prof, ax, max_ops: int = 20000) -> None:
     lanes = prof.devices
     for i, dev in enumerate(lanes):
         for cat in ("compute", "compile", "send/receive"):
-            spans = ([(c["start"] / 1e6, c["dur"] / 1e6) for c in prof.compile_spans() if c["device"] == dev]
+            spans = ([(c["start"] / 1e6, c["dur"] / 1e6) for c in prof.compile_spans()
+                      if c["device"] == dev]
                      if cat == "compile" else
                      [(e.start / 1e6, max(e.dur / 1e6, 1e-4)) for e in prof.events[:max_ops]
                       if e.device == dev and e.category == cat])
             if spans:
-                ax.broken_barh(spans, (i - 0.4, 0.8), facecolors=COLORS[cat], label=cat if i == 0 else None)
+                ax.broken_barh(spans, (i - 0.4, 0.8), facecolors=COLORS[cat],
+                               label=cat if i == 0 else None)
     ax.set_yticks(range(len(lanes)), [short_device(d) for d in lanes])
     ax.set_ylim(len(lanes) - 0.5, -0.5)
     ax.set_xlim(0, max(prof.wall_ms, 1e-3))
@@ -66,7 +68,8 @@ def transfers(prof, ax, function=None) -> None:
     for i in range(len(devs)):
         for j in range(len(devs)):
             if count[i][j]:
-                ax.text(j, i, f"{nbytes[i][j] / 1024:.1f} KiB\n{count[i][j]}x", ha="center", va="center", fontsize=7)
+                ax.text(j, i, f"{nbytes[i][j] / 1024:.1f} KiB\n{count[i][j]}x", ha="center",
+                        va="center", fontsize=7)
     ax.set_xlabel("destination")
     ax.set_ylabel("source")
     ax.set_title("bytes transferred")
@@ -105,7 +108,8 @@ def stages(prof, ax, plan=None, predicted=None) -> None:
     rows = prof.stage_times(plan, predicted)
     xs = list(range(len(rows)))
     # per decode step where the stage decoded, else its time in the whole block
-    shown = [(r.get("step_kinds") if r.get("ms_per_step") else None) or r.get("kinds") or {} for r in rows]
+    shown = [(r.get("step_kinds") if r.get("ms_per_step") else None) or r.get("kinds") or {}
+             for r in rows]
     bottom = [0.0] * len(rows)
     kinds = [k for k in KIND_COLORS if any(k in sh for sh in shown)]
     for kind in kinds:
@@ -127,16 +131,19 @@ def stages(prof, ax, plan=None, predicted=None) -> None:
     row, kind, share = found
     title = f"slowest stage: {row['stage']} ({short_device(row['device'])})"
     ax.set_title(title + (f", {kind} {share:.0%}" if kind else ""), fontsize="medium")
-    top = max([b for b in bottom] + [v for _, v in pred] + [r["measured_ms"] for r in rows if not kinds] + [1e-6])
+    top = max([b for b in bottom] + [v for _, v in pred]
+              + [r["measured_ms"] for r in rows if not kinds] + [1e-6])
     ax.set_ylim(0, top * 1.35)  # room for the legend above the bars
     ax.legend(fontsize="x-small", ncol=4, loc="upper left")
 
 
 def bound(prof, ax, models=None, bandwidth=None) -> None:
     """Per device: the measured time of a decode step beside its memory-bandwidth bound."""
-    rows = [r for r in prof.bound(models, bandwidth=bandwidth, links=False)["devices"] if r["ms_per_step"]]
+    rows = [r for r in prof.bound(models, bandwidth=bandwidth, links=False)["devices"]
+            if r["ms_per_step"]]
     if not rows:
-        raise ProfileError("plot('bound'): no decode step of a placed model was traced in this profile")
+        raise ProfileError("plot('bound'): no decode step of a placed model was traced in this "
+                           "profile")
     labels = [short_device(r["device"]) for r in rows]
     ys = list(range(len(rows)))
     ax.barh([y - 0.2 for y in ys], [r["ms_per_step"] for r in rows], 0.4, color=COLORS["compute"],
@@ -179,6 +186,7 @@ def figure(prof, kind: str = "summary", **kwargs):
         n = len(prof.stage_times(kwargs.get("plan"), kwargs.get("predicted")))
         fig, axes = _new(size=(min(16.0, 4.0 + 0.25 * n), 4.0))
     else:
-        fig, axes = _new(size=(7.0, 0.6 * len(prof.devices) + 2.0) if kind != "transfers" else (6.0, 5.0))
+        fig, axes = _new(size=(7.0, 0.6 * len(prof.devices) + 2.0) if kind != "transfers"
+                         else (6.0, 5.0))
     single[kind](prof, axes[0][0], **kwargs)
     return fig

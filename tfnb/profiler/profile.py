@@ -10,7 +10,8 @@ from pathlib import Path
 
 from tfnb.errors import ProfileError
 from tfnb.names import short_device
-from tfnb.profiler import bound as bounds, export, plots
+from tfnb.profiler import bound as bounds
+from tfnb.profiler import export, plots
 from tfnb.profiler.build import build
 from tfnb.profiler.xplane import op_kind
 
@@ -47,7 +48,8 @@ def _function_name(function) -> str:
         return function
     name = getattr(function, "name", None) or getattr(function, "__name__", None)
     if not isinstance(name, str):
-        raise ProfileError(f"function={function!r}; expected a tf.function, a Python function or a name")
+        raise ProfileError(f"function={function!r}; expected a tf.function, a Python function "
+                           "or a name")
     return name
 
 
@@ -127,7 +129,8 @@ class Profile:
 
     def _check(self) -> None:
         if not self._ready:
-            raise ProfileError("the capture is still running; read the profile after the `with` block")
+            raise ProfileError("the capture is still running; read the profile after the `with` "
+                               "block")
         if self._built is None:
             raw = self._collected()
             built = build(raw)
@@ -179,13 +182,18 @@ class Profile:
         rows = []
         for dev in self.devices:
             evs = [e for e in self.events if e.device == dev]
-            spans = {c: [(e.start, e.start + e.dur) for e in evs if e.category == c] for c in ("compute", "send/receive")}
-            spans["compile"] = [(c["start"], c["start"] + c["dur"]) for c in self._built["compiles"] if c["device"] == dev]
+            spans = {c: [(e.start, e.start + e.dur) for e in evs if e.category == c]
+                     for c in ("compute", "send/receive")}
+            spans["compile"] = [(c["start"], c["start"] + c["dur"])
+                                for c in self._built["compiles"] if c["device"] == dev]
             compute = union_ns(spans["compute"], 0, self.window_ns)
             working = union_ns(spans["compute"] + spans["compile"], 0, self.window_ns)
-            busy = union_ns(spans["compute"] + spans["compile"] + spans["send/receive"], 0, self.window_ns)
-            rows.append({"device": dev, "compute_ms": compute / _MS, "compile_ms": (working - compute) / _MS,
-                         "send_recv_ms": (busy - working) / _MS, "idle_ms": (self.window_ns - busy) / _MS,
+            busy = union_ns(spans["compute"] + spans["compile"] + spans["send/receive"], 0,
+                            self.window_ns)
+            rows.append({"device": dev, "compute_ms": compute / _MS,
+                         "compile_ms": (working - compute) / _MS,
+                         "send_recv_ms": (busy - working) / _MS,
+                         "idle_ms": (self.window_ns - busy) / _MS,
                          "busy_ms": busy / _MS, "wall_ms": self.wall_ms, "ops": len(evs)})
         return rows
 
@@ -228,8 +236,9 @@ class Profile:
                 s = spans.setdefault(e.step, [e.start, e.start + e.dur, set()])
                 s[0], s[1] = min(s[0], e.start), max(s[1], e.start + e.dur)
                 s[2].add(e.device)
-        rows = [{"step": k, "function": self.functions.get(k), "start_ms": s / _MS, "end_ms": t / _MS,
-                 "duration_ms": (t - s) / _MS, "devices": sorted(d)} for k, (s, t, d) in spans.items()]
+        rows = [{"step": k, "function": self.functions.get(k), "start_ms": s / _MS,
+                 "end_ms": t / _MS, "duration_ms": (t - s) / _MS, "devices": sorted(d)}
+                for k, (s, t, d) in spans.items()]
         return sorted(rows, key=lambda r: r["start_ms"])
 
     def calls(self, function) -> list[int]:
@@ -248,7 +257,8 @@ class Profile:
         """Stats of each counted transfer event, within ``steps`` when given."""
         for e in self.events:
             st = e.stats
-            if e.category == "send/receive" and st and st.get("counted") and (steps is None or e.step in steps):
+            if e.category == "send/receive" and st and st.get("counted") \
+                    and (steps is None or e.step in steps):
                 yield st
 
     def transfers(self, function=None) -> list[dict]:
@@ -294,24 +304,30 @@ class Profile:
 
         Examples
         --------
-        >>> [(r["tensor"], r["count"], r["bytes_each"]) for r in prof.transfer_edges()]  # doctest: +SKIP
-        [('StatefulPartitionedCall', 1, 110592), ('while/body/_1/while/StatefulPartitionedCall', 47, 2304), ...]
+        >>> [(r["tensor"], r["count"], r["bytes_each"])
+        ...  for r in prof.transfer_edges()]                        # doctest: +SKIP
+        [('StatefulPartitionedCall', 1, 110592),
+         ('while/body/_1/while/StatefulPartitionedCall', 47, 2304), ...]
         """
         cells: dict = {}
         for st in self._counted_transfers(self._steps_of(function)):
-            cells.setdefault((st["src"], st["dst"], st.get("from"), st.get("to")), []).append(st.get("bytes"))
+            edge = (st["src"], st["dst"], st.get("from"), st.get("to"))
+            cells.setdefault(edge, []).append(st.get("bytes"))
         rows = []
         for (src, dst, tensor, consumer), sizes in cells.items():
             known = [b for b in sizes if b is not None]
             rows.append({"source": src, "destination": dst, "tensor": tensor, "consumer": consumer,
-                         "count": len(sizes), "bytes": sum(known), "unknown": len(sizes) - len(known),
+                         "count": len(sizes), "bytes": sum(known),
+                         "unknown": len(sizes) - len(known),
                          "bytes_each": sizes[0] if len(set(sizes)) == 1 else None})
-        return sorted(rows, key=lambda r: (-r["bytes"], r["source"], r["destination"], str(r["tensor"])))
+        return sorted(rows, key=lambda r: (-r["bytes"], r["source"], r["destination"],
+                                           str(r["tensor"])))
 
     def transfer_matrix(self, function=None) -> tuple[list[str], list[list[int]], list[list[int]]]:
         """``(devices, bytes[src][dst], count[src][dst])`` over every device seen."""
         rows = self.transfers(function)
-        devs = list(dict.fromkeys(self.devices + [r[k] for r in rows for k in ("source", "destination")]))
+        devs = list(dict.fromkeys(self.devices + [r[k] for r in rows
+                                                  for k in ("source", "destination")]))
         nbytes = [[0] * len(devs) for _ in devs]
         count = [[0] * len(devs) for _ in devs]
         for r in rows:
@@ -334,7 +350,10 @@ class Profile:
             raise ProfileError(f"n={n!r}; expected an integer >= 1")
         agg: dict = {}
         for e in self.events:
-            key = (e.name, e.op, e.device) if by == "name" else (op_kind(e.op) if by == "kind" else e.op,)
+            if by == "name":
+                key = (e.name, e.op, e.device)
+            else:
+                key = (op_kind(e.op) if by == "kind" else e.op,)
             a = agg.setdefault(key, [0, 0])
             a[0] += 1
             a[1] += e.dur
@@ -373,7 +392,8 @@ class Profile:
         rows = []
         for dev in self.devices:
             total = sum(v for (d, _), v in cells.items() if d == dev)
-            mine = sorted(((k, v) for (d, k), v in cells.items() if d == dev), key=lambda kv: -kv[1])
+            mine = sorted(((k, v) for (d, k), v in cells.items() if d == dev),
+                          key=lambda kv: -kv[1])
             rows += [{"device": dev, "kind": k, "ms": v / _MS, "share": v / total} for k, v in mine]
         return rows
 
@@ -399,8 +419,9 @@ class Profile:
 
         Examples
         --------
-        >>> slowest = max(prof.stage_times(placed), key=lambda r: r["ms_per_step"])  # doctest: +SKIP
-        >>> slowest["stage"], next(iter(slowest["kinds"]))                            # doctest: +SKIP
+        >>> rows = prof.stage_times(placed)                         # doctest: +SKIP
+        >>> slowest = max(rows, key=lambda r: r["ms_per_step"])     # doctest: +SKIP
+        >>> slowest["stage"], next(iter(slowest["kinds"]))          # doctest: +SKIP
         ('block.17', 'matmul')
         """
         self._check()
@@ -420,9 +441,10 @@ class Profile:
         for e in self.compiled:
             if e["stage"] is None or (assignment is not None and e["stage"] not in assignment):
                 continue
-            c = cells.setdefault((e["stage"], e["device"]), {"kinds": {}, "decode_kinds": {}, "phase": {},
-                                                             "runs": {}})
-            phase = "decode" if "decode" in e["module"] else "prefill" if "prefill" in e["module"] else "other"
+            c = cells.setdefault((e["stage"], e["device"]),
+                                 {"kinds": {}, "decode_kinds": {}, "phase": {}, "runs": {}})
+            phase = "decode" if "decode" in e["module"] else \
+                "prefill" if "prefill" in e["module"] else "other"
             c["phase"][phase] = c["phase"].get(phase, 0) + e["dur"]
             c["kinds"][e["kind"]] = c["kinds"].get(e["kind"], 0) + e["dur"]
             if phase == "decode":
@@ -438,11 +460,15 @@ class Profile:
                 per_module[module] = max(per_module.get(module, 0), n)
             steps, decode = sum(per_module.values()), c["phase"].get("decode", 0)
             row = {"stage": stage, "device": dev, "basis": "compiled ops",
-                   "measured_ms": sum(c["phase"].values()) / _MS, "prefill_ms": c["phase"].get("prefill", 0) / _MS,
-                   "decode_ms": decode / _MS, "steps": steps, "ms_per_step": decode / steps / _MS if steps else None,
-                   "kinds": {k: v / _MS for k, v in sorted(c["kinds"].items(), key=lambda kv: -kv[1])},
-                   "step_kinds": {k: v / steps / _MS for k, v in sorted(c["decode_kinds"].items(),
-                                                                        key=lambda kv: -kv[1])} if steps else {}}
+                   "measured_ms": sum(c["phase"].values()) / _MS,
+                   "prefill_ms": c["phase"].get("prefill", 0) / _MS,
+                   "decode_ms": decode / _MS, "steps": steps,
+                   "ms_per_step": decode / steps / _MS if steps else None,
+                   "kinds": {k: v / _MS
+                             for k, v in sorted(c["kinds"].items(), key=lambda kv: -kv[1])},
+                   "step_kinds": {k: v / steps / _MS
+                                  for k, v in sorted(c["decode_kinds"].items(),
+                                                     key=lambda kv: -kv[1])} if steps else {}}
             if predicted is not None:
                 row["predicted_ms"] = predicted.get(stage)
             rows.append(row)
@@ -461,13 +487,16 @@ class Profile:
         full = [d for d in self.devices if any(d == x or d.startswith(x.rstrip("/") + "/") or
                                                  short_device(d) == x for x in devs)]
         if not full:
-            raise ProfileError(f"stage {stage!r}: device {devs!r} was not traced; traced: {self.devices}")
+            raise ProfileError(f"stage {stage!r}: device {devs!r} was not traced; traced: "
+                               f"{self.devices}")
         evs = [e for e in self.events if e.device in full and e.category == "compute"]
         scoped = [e for e in evs if e.name == str(stage) or e.name.startswith(f"{stage}/")]
         use = scoped or evs
-        row = {"stage": stage, "device": full[0], "devices": full, "basis": "name scope" if scoped else "device",
-               "measured_ms": sum(union_ns([(e.start, e.start + e.dur) for e in use if e.device == d], 0, self.window_ns)
-                                  for d in full) / _MS, "kinds": {}, "step_kinds": {}}
+        measured = sum(union_ns([(e.start, e.start + e.dur) for e in use if e.device == d], 0,
+                                self.window_ns) for d in full)
+        row = {"stage": stage, "device": full[0], "devices": full,
+               "basis": "name scope" if scoped else "device",
+               "measured_ms": measured / _MS, "kinds": {}, "step_kinds": {}}
         if predicted is not None:
             row["predicted_ms"] = predicted.get(stage)
         return row
@@ -491,8 +520,11 @@ class Profile:
         [0.71, 0.69]
         """
         self._check()
-        models = bounds.models_in(self) if models is None else list(getattr(models, "replicas", None) or
-                                                                     ([models] if hasattr(models, "scheduler") else models))
+        if models is None:
+            models = bounds.models_in(self)
+        else:
+            models = list(getattr(models, "replicas", None)
+                          or ([models] if hasattr(models, "scheduler") else models))
         return {"devices": bounds.device_rows(self, models, cluster, bandwidth),
                 "links": bounds.link_rows(self, models, cluster) if links else []}
 
@@ -503,7 +535,8 @@ class Profile:
             return []
         found = plots.slowest(self.stage_times())
         row, kind, share = found
-        per = f"{row['ms_per_step']:.3g} ms/step" if row.get("ms_per_step") else f"{row['measured_ms']:.3g} ms"
+        per = f"{row['ms_per_step']:.3g} ms/step" if row.get("ms_per_step") \
+            else f"{row['measured_ms']:.3g} ms"
         lines = [f"slowest stage: {row['stage']} on {short_device(row['device'])}, {per}"
                  + (f", mostly {kind} ({share:.0%})" if kind else "")]
         if "bound" not in self._figure_cache:
@@ -517,7 +550,8 @@ class Profile:
         except ImportError:
             raise ProfileError("to_pandas needs pandas, which is not installed; the tables are "
                                "plain lists of dicts") from None
-        tables = {"busy": self.busy, "steps": self.steps, "transfers": self.transfers, "top_ops": self.top_ops}
+        tables = {"busy": self.busy, "steps": self.steps, "transfers": self.transfers,
+                  "top_ops": self.top_ops}
         if table not in tables:
             raise ProfileError(f"table={table!r}; expected one of {', '.join(tables)}")
         return pd.DataFrame(tables[table](**kwargs))
@@ -545,7 +579,8 @@ class Profile:
         self.plot(kind, **kwargs).savefig(path, format=suffix[1:], bbox_inches="tight")
 
     def export_tensorboard(self, logdir) -> str:
-        """Write the raw traces where TensorBoard's profile plugin reads them; returns the run dir."""
+        """Write the raw traces where TensorBoard's profile plugin reads them; returns the run
+        dir."""
         if not self._ready:
             self._check()  # raises: still capturing
         return export.tensorboard(self, logdir)
@@ -574,14 +609,15 @@ class Profile:
         lines = [repr(self)]
         lines += [f"  not traced: {k}: {v}" for k, v in self.reasons.items()]
         lines += [f"  {line}" for line in self.headline()]
-        lines += [f"  compiled: {short_device(r['device'])} {r['compile_ms']:.1f} ms in {r['count']} XLA call(s) "
-                  "(not in the compute column)" for r in self.compiles()]
+        lines += [f"  compiled: {short_device(r['device'])} {r['compile_ms']:.1f} ms in "
+                  f"{r['count']} XLA call(s) (not in the compute column)" for r in self.compiles()]
         lines.append(f"  {'device':<22}{'compute':>10}{'send/recv':>11}{'idle':>10}  (ms)")
-        lines += [f"  {short_device(r['device']):<22}{r['compute_ms']:>10.2f}{r['send_recv_ms']:>11.2f}{r['idle_ms']:>10.2f}"
-                  for r in self.busy()]
+        lines += [f"  {short_device(r['device']):<22}{r['compute_ms']:>10.2f}"
+                  f"{r['send_recv_ms']:>11.2f}{r['idle_ms']:>10.2f}" for r in self.busy()]
         for t in self.transfers():
             unknown = f" ({t['unknown']} of untraced size)" if t["unknown"] else ""
-            lines.append(f"  {short_device(t['source'])} -> {short_device(t['destination'])}: {t['bytes']} B in {t['count']} transfers{unknown}")
+            lines.append(f"  {short_device(t['source'])} -> {short_device(t['destination'])}: "
+                         f"{t['bytes']} B in {t['count']} transfers{unknown}")
         return "\n".join(lines)
 
     def _repr_pretty_(self, p, cycle) -> None:
@@ -593,12 +629,15 @@ class Profile:
         esc = html.escape
         out = [f"<b>{esc(repr(self))}</b>"]
         if self.partial:
-            out.append("<ul>" + "".join(f"<li>not traced: {esc(k)}: {esc(v)}</li>" for k, v in self.reasons.items()) + "</ul>")
+            out.append("<ul>" + "".join(f"<li>not traced: {esc(k)}: {esc(v)}</li>"
+                                        for k, v in self.reasons.items()) + "</ul>")
         headline = self.headline()
         if headline:
             out.append("<ul>" + "".join(f"<li>{esc(line)}</li>" for line in headline) + "</ul>")
-        head = "".join(f"<th>{h}</th>" for h in ("device", "compute ms", "send/recv ms", "idle ms", "ops"))
-        body = "".join(f"<tr><td>{esc(short_device(r['device']))}</td><td>{r['compute_ms']:.2f}</td><td>{r['send_recv_ms']:.2f}</td>"
+        head = "".join(f"<th>{h}</th>"
+                       for h in ("device", "compute ms", "send/recv ms", "idle ms", "ops"))
+        body = "".join(f"<tr><td>{esc(short_device(r['device']))}</td>"
+                       f"<td>{r['compute_ms']:.2f}</td><td>{r['send_recv_ms']:.2f}</td>"
                        f"<td>{r['idle_ms']:.2f}</td><td>{r['ops']}</td></tr>" for r in self.busy())
         out.append(f"<table><tr>{head}</tr>{body}</table>")
         if self.events:

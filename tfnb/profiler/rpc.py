@@ -33,14 +33,16 @@ def _messages():
         ("host_name", 7, _F.TYPE_STRING, None), ("emit_xspace", 9, _F.TYPE_BOOL, None))
     # ``xspace`` is a tensorflow.profiler.XSpace; declared as bytes (the same wire format) so
     # that collecting a trace costs no parse and re-serialization (several MB per worker).
-    msg("ProfileResponse", ("empty_trace", 7, _F.TYPE_BOOL, None), ("xspace", 8, _F.TYPE_BYTES, None))
+    msg("ProfileResponse", ("empty_trace", 7, _F.TYPE_BOOL, None),
+        ("xspace", 8, _F.TYPE_BYTES, None))
     msg("TerminateRequest", ("session_id", 1, _F.TYPE_STRING, None))
     msg("Empty")
     try:
         fd = pool.FindFileByName(fdp.name)
     except KeyError:
         fd = pool.Add(fdp) and pool.FindFileByName(fdp.name)
-    return {n: message_factory.GetMessageClass(fd.message_types_by_name[n]) for n in fd.message_types_by_name}
+    return {n: message_factory.GetMessageClass(fd.message_types_by_name[n])
+            for n in fd.message_types_by_name}
 
 
 _M: dict | None = None
@@ -65,7 +67,8 @@ def options(duration_ms: int, *, host_level: int = 2, python_level: int = 0):
     # attributes compiled time to stages and op kinds (xplane.compiled_ops). It roughly
     # triples a worker's trace (docs/profiling.md); parsed modules are remembered (xplane).
     return profiler_options_pb2.ProfileOptions(version=1, host_tracer_level=host_level,
-                                               device_tracer_level=1, python_tracer_level=python_level,
+                                               device_tracer_level=1,
+                                               python_tracer_level=python_level,
                                                duration_ms=duration_ms, enable_hlo_proto=True)
 
 
@@ -77,10 +80,12 @@ class ProfilerStub:
 
         m = messages()
         self.address = address
-        self.channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", -1)])
+        self.channel = grpc.insecure_channel(
+            address, options=[("grpc.max_receive_message_length", -1)])
 
         def call(name, req, resp):
-            return self.channel.unary_unary(SERVICE + name, request_serializer=req.SerializeToString,
+            return self.channel.unary_unary(SERVICE + name,
+                                            request_serializer=req.SerializeToString,
                                             response_deserializer=resp.FromString)
 
         self.profile = call("Profile", m["ProfileRequest"], m["ProfileResponse"])

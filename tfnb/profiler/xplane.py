@@ -184,12 +184,14 @@ def compiled_ops(hlo_proto: bytes) -> dict[str, CompiledOp]:
                 parts = [x for cid in ins.called_computation_ids for x in inside(cid)]
                 stage = stage or _majority([p[0] for p in parts])
                 kind = kind or _majority([p[1] for p in parts])
-                opk = "matmul" if any(p[2] == "matmul" for p in parts) else (opk or _majority([p[2] for p in parts]))
+                opk = "matmul" if any(p[2] == "matmul" for p in parts) \
+                    else (opk or _majority([p[2] for p in parts]))
             own[ins.id] = (stage, kind, opk)
 
         operands = {k: list(v.operand_ids) for k, v in by_id.items()}
 
-        def nearest(iid):  # the scope of the closest user with one, else of an operand
+        def nearest(iid, users=users, operands=operands, own=own):
+            # the scope of the closest user with one, else of an operand
             for links in (users, operands):
                 seen, frontier = {iid}, [iid]
                 for _ in range(6):
@@ -228,12 +230,15 @@ def start_time_ns(space) -> int | None:
     return None
 
 
-def _is_op(op: str, _cache: dict = {}) -> bool:
-    if op not in _cache:
+_IS_OP: dict[str, bool] = {}  # op type -> whether TensorFlow registers it
+
+
+def _is_op(op: str) -> bool:
+    if op not in _IS_OP:
         from tensorflow.python.framework import op_def_registry
 
-        _cache[op] = op_def_registry.get(op) is not None
-    return _cache[op]
+        _IS_OP[op] = op_def_registry.get(op) is not None
+    return _IS_OP[op]
 
 
 class Parsed(NamedTuple):
@@ -286,7 +291,8 @@ def parse_space(space, device_of, *, shift_ns: int) -> Parsed:
             elif ":" in name and " " not in name and "::" not in name:
                 node, _, op = name.rpartition(":")
                 if node and _is_op(op):
-                    meta_stats = [s for s in md.stats if s.metadata_id in wanted] if op in TRANSFER_TYPES else []
+                    meta_stats = [s for s in md.stats if s.metadata_id in wanted] \
+                        if op in TRANSFER_TYPES else []
                     kinds[mid] = (_OP, node, op, meta_stats)
             elif name in hlo_names:
                 kinds[mid] = (_HLO, name)
@@ -325,9 +331,11 @@ def parse_space(space, device_of, *, shift_ns: int) -> Parsed:
                                          "name": kind[1], "start": start, "dur": dur,
                                          "stage": op.stage, "kind": op.kind})
                 else:
-                    sid = next((_stat_value(s, snames) for s in e.stats if s.metadata_id == id_stat), None)
+                    sid = next((_stat_value(s, snames) for s in e.stats
+                                if s.metadata_id == id_stat), None)
                     if sid is not None:
-                        (execs if kind[0] == _EXEC else calls).append((start, start + dur, int(sid)))
+                        into = execs if kind[0] == _EXEC else calls
+                        into.append((start, start + dur, int(sid)))
             execs.sort()
             starts = [x[0] for x in execs]
             for ev in ops:  # the step of an op: the innermost executor event around it
@@ -369,7 +377,8 @@ def parse_shapes(text: str | None) -> list[tuple[str | None, list[int | None] | 
         m = re.fullmatch(r"\s*(\w+)\[([^\]]*)\]\s*", part)
         if not m:
             return None
-        dims = [int(d) if d.strip().lstrip("-").isdigit() else None for d in m.group(2).split(",") if d.strip()]
+        dims = [int(d) if d.strip().lstrip("-").isdigit() else None
+                for d in m.group(2).split(",") if d.strip()]
         out.append((m.group(1), dims))
     return out
 

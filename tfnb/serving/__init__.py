@@ -23,4 +23,4 @@ from tfnb.serving.protocol import ApiError, ChatRequest, CompletionRequest, chat
 from tfnb.serving.server import ExposedEndpointWarning, ServeError, Server, serve
 
 __all__ = ["serve", "Server", "ServeError", "ExposedEndpointWarning", "ApiError", "ChatRequest",
-           "CompletionRequest"]
+           "CompletionRequest", "chat_prompt"]

@@ -25,8 +25,18 @@ import warnings
 
 from tfnb.cluster.connect import is_loopback
 from tfnb.errors import GenerateError, GenerateStalled, TfnbError, WorkerLostError
-from tfnb.serving.protocol import (ApiError, Chunks, chat_prompt, check_size, completion, finish,
-                                   parse_body, parse_chat, parse_completion, usage)
+from tfnb.serving.protocol import (
+    ApiError,
+    Chunks,
+    chat_prompt,
+    check_size,
+    completion,
+    finish,
+    parse_body,
+    parse_chat,
+    parse_completion,
+    usage,
+)
 
 __all__ = ["serve", "Server", "ServeError", "ExposedEndpointWarning"]
 
@@ -245,7 +255,8 @@ def _close(chunks, wait_s: float = 600.0) -> None:
 
 class Server:
     """A running endpoint: ``url`` (ends in ``/v1``, for OpenAI clients), ``model``, ``close()``;
-    ``placed`` is what it serves (a ``ReplicatedModel``; ``tfnb.serving_view(server)`` shows it live).
+    ``placed`` is what it serves (a ``ReplicatedModel``; ``tfnb.serving_view(server)`` shows it
+    live).
 
     Examples
     --------
@@ -276,14 +287,15 @@ class Server:
         """What the endpoint's model is serving now (``ReplicatedModel.serving_status``)."""
         return self.placed.serving_status()
 
-    def __enter__(self) -> "Server":
+    def __enter__(self) -> Server:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
     def __repr__(self) -> str:
-        return f"<tfnb Server {self.url} model={self.model!r} {'running' if self.running else 'closed'}>"
+        state = "running" if self.running else "closed"
+        return f"<tfnb Server {self.url} model={self.model!r} {state}>"
 
 
 def serve(placed, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None, *,

@@ -25,8 +25,15 @@ from traitlets import Any, Bool, Dict, Enum, Instance, Int, TraitError, Unicode,
 
 from tfnb.cluster import current
 from tfnb.errors import PlacementError, TfnbError
-from tfnb.names import AUTO, EDITOR_MODES, MANUAL, OBJECTIVES, PIPELINE_PLANNERS, format_bytes, \
-    short_device
+from tfnb.names import (
+    AUTO,
+    EDITOR_MODES,
+    MANUAL,
+    OBJECTIVES,
+    PIPELINE_PLANNERS,
+    format_bytes,
+    short_device,
+)
 from tfnb.notebook.widgets.dataflow import plan_svg
 from tfnb.notebook.widgets.layout import build
 from tfnb.notebook.widgets.ranges import device_runs, from_ranges, with_range

@@ -134,35 +134,35 @@ def with_range(assignment: dict, names, device: str, first=None, last=None) -> d
     if first is None or last is None:
         raise PlacementError(f"range of {who}: first={first!r}, last={last!r}: expected both "
                              "stages, or neither (to take the device out of the pipeline)")
-    f, l = stage_position(names, first, "first"), stage_position(names, last, "last")
-    if f > l:
-        raise PlacementError(f"range of {who}: first={names[f]!r} comes after last={names[l]!r}:"
-                             " expected first <= last in chain order")
+    lo, hi = stage_position(names, first, "first"), stage_position(names, last, "last")
+    if lo > hi:
+        raise PlacementError(f"range of {who}: first={names[lo]!r} comes after "
+                             f"last={names[hi]!r}: expected first <= last in chain order")
     new = list(devs)
     if old:
         before = devs[old[0] - 1] if old[0] > 0 else None
         after = devs[old[-1] + 1] if old[-1] + 1 < n else None
         for k in old:
-            if k < f:
+            if k < lo:
                 new[k] = before or after
-            elif k > l:
+            elif k > hi:
                 new[k] = after or before
             if new[k] is None:
                 raise PlacementError(
-                    f"range of {who}: {format_span(names[f:l + 1])} leaves "
-                    f"{format_span(names[:f] if k < f else names[l + 1:])} with no device: "
+                    f"range of {who}: {format_span(names[lo:hi + 1])} leaves "
+                    f"{format_span(names[:lo] if k < lo else names[hi + 1:])} with no device: "
                     f"{who} runs every stage; give another device a range first")
-    new[f:l + 1] = [device] * (l - f + 1)
+    new[lo:hi + 1] = [device] * (hi - lo + 1)
     for dev, rs in device_runs(dict(zip(names, devs)), names).items():
-        if dev != device and dev not in new and rs != [(f, l)]:
+        if dev != device and dev not in new and rs != [(lo, hi)]:
             raise PlacementError(
-                f"range of {who}: {format_span(names[f:l + 1])} takes every stage of "
+                f"range of {who}: {format_span(names[lo:hi + 1])} takes every stage of "
                 f"{short_device(dev)} ({format_span(names[rs[0][0]:rs[-1][1] + 1])}): expected "
                 f"a range that leaves {short_device(dev)} a stage, or exactly its range (to hand "
                 f"it over); the x button of its row takes it out of the pipeline")
     problem = _contiguity_error(new, names)
     if problem:
-        raise PlacementError(f"range of {who}: {format_span(names[f:l + 1])}: {problem}; "
+        raise PlacementError(f"range of {who}: {format_span(names[lo:hi + 1])}: {problem}; "
                              "expected a range that keeps each device's stages together (one "
                              "that starts or ends where another device's range does)")
     return dict(zip(names, new))
@@ -196,11 +196,11 @@ every stage embed .. head (4) exactly once
             device, first, last = item
         else:
             raise PlacementError(f"ranges item {item!r}: expected (device, first, last)")
-        f, l = stage_position(names, first, "first"), stage_position(names, last, "last")
-        if f > l:
-            raise PlacementError(f"range of {device!r}: first={names[f]!r} comes after "
-                                 f"last={names[l]!r}: expected first <= last in chain order")
-        for k in range(f, l + 1):
+        lo, hi = stage_position(names, first, "first"), stage_position(names, last, "last")
+        if lo > hi:
+            raise PlacementError(f"range of {device!r}: first={names[lo]!r} comes after "
+                                 f"last={names[hi]!r}: expected first <= last in chain order")
+        for k in range(lo, hi + 1):
             if owner[k] is not None:
                 raise PlacementError(f"ranges: {names[k]!r} is in the ranges of both "
                                      f"{owner[k]!r} and {device!r}: expected each stage once")
