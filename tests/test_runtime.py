@@ -13,11 +13,11 @@ import time
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import numpy as np
+import pytest
+import tensorflow as tf
 
-from tfnb.errors import GenerateError, PlacementError, WorkerLostError  # noqa: E402
+from tfnb.errors import GenerateError, PlacementError, WorkerLostError
 
 _CHILD = os.environ.get("TFNB_TEST_RUNTIME_CHILD") == "1"
 

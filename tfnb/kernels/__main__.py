@@ -1,4 +1,5 @@
-"""``python -m tfnb.kernels [--force]``: build the packed-weight ops once (``scripts/setup`` does)."""
+"""``python -m tfnb.kernels [--force]``: build the packed-weight ops once (as ``scripts/setup``
+does)."""
 
 import sys
 

@@ -19,8 +19,8 @@ Examples
 >>> pm.generate("Hello", max_new_tokens=16)                     # doctest: +SKIP
 """
 
-from tfnb.runtime.devices import even_split, resolve_assignment
 from tfnb.models.chain import Segment
+from tfnb.runtime.devices import even_split, resolve_assignment
 from tfnb.runtime.placed import PlacedModel, place_llama
 from tfnb.runtime.replicas import ReplicaLostWarning, ReplicatedModel
 from tfnb.runtime.requests import GenerateOptions, GenerateRequest

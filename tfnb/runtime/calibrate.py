@@ -41,8 +41,7 @@ from tfnb.models.chain import Segment, llama_chain, stage_names
 from tfnb.models.decoder import random_weights
 from tfnb.models.packed import PackedTensor, packed_like
 from tfnb.runtime.faults import call_with_deadline
-from tfnb.runtime.graphs import (HeadIn, client_cpu, pack_ctl, pack_prefill_ctl,
-                                 segment_functions)
+from tfnb.runtime.graphs import HeadIn, client_cpu, pack_ctl, pack_prefill_ctl, segment_functions
 from tfnb.runtime.weights import kv_caches, segment_params
 
 __all__ = ["time_stages", "stage_timer", "CALIBRATION_TIMEOUT_S"]

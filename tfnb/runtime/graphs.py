@@ -15,9 +15,10 @@ the tensors crossing devices per step few:
   ``(next_token_B, done_B)``; the others return the hidden state.
 
 :func:`run_segments` is the one entry that calls every segment in order under its device; the
-prefill and decode graphs (:func:`prefill_function`, :func:`decode_function`), the logits graph (:func:`logits_function`) and the
-calibration loops (:mod:`tfnb.runtime.calibrate`) all go through it or through
-:func:`segment_functions`. A :class:`Program` holds the functions bound to one set of caches.
+prefill and decode graphs (:func:`prefill_function`, :func:`decode_function`), the logits graph
+(:func:`logits_function`) and the calibration loops (:mod:`tfnb.runtime.calibrate`) all go
+through it or through :func:`segment_functions`. A :class:`Program` holds the functions bound
+to one set of caches.
 
 Examples
 --------
@@ -69,7 +70,7 @@ class HeadIn(NamedTuple):
     ints_Bx2: tf.Tensor    # [top_k, seed]
 
     @classmethod
-    def greedy(cls, B: int) -> "HeadIn":
+    def greedy(cls, B: int) -> HeadIn:
         return cls(tf.zeros([B], tf.bool), tf.tile([[0.0, 1.0]], [B, 1]),
                    tf.zeros([B, 2], tf.int32))
 
@@ -201,7 +202,7 @@ def run_segments(segs, fns, which: str, x, ctl, head_in: HeadIn, mode: str,
     return x
 
 
-def prefill_function(segs, fns, mode: str) -> "OnDevice":
+def prefill_function(segs, fns, mode: str) -> OnDevice:
     """``f(ids_BxP, pad_B, first_slot, first_row, done_B, floats_Bx2, ints_Bx2)``: the prompts'
     keys into cache rows ``[first_row, first_row + B)`` at slots ``[first_slot, first_slot +
     P)``; returns the first new token per row and ``done_B``."""
@@ -220,7 +221,7 @@ def _decode_step(segs, fns, mode, window, tok_B, slot, pad_B, done_B, floats_Bx2
 
 
 def decode_function(segs, fns, mode: str, S: int, window: int | None,
-                    fused: bool) -> "OnDevice":
+                    fused: bool) -> OnDevice:
     """One multi-device graph of up to ``n_steps`` decode steps for the caches' first ``B``
     rows, attention reading the first ``window`` slots.
 
@@ -274,7 +275,7 @@ def decode_function(segs, fns, mode: str, S: int, window: int | None,
     return OnDevice(graph, loop_device)
 
 
-def unrolled_decode(segs, fns, mode: str, window: int | None, steps: int) -> "OnDevice":
+def unrolled_decode(segs, fns, mode: str, window: int | None, steps: int) -> OnDevice:
     """:func:`decode_function`'s graph as ``steps`` decode steps in a row, with no loop.
 
     A ``tf.while_loop`` over segments on several workers pays the loop's own control between
@@ -301,7 +302,7 @@ def unrolled_decode(segs, fns, mode: str, window: int | None, steps: int) -> "On
     return OnDevice(tf.function(run), loop_device)
 
 
-def shift_function(segs, caches) -> "OnDevice":
+def shift_function(segs, caches) -> OnDevice:
     """``f(delta)``: every cache's slots rolled by ``delta`` (int32; negative moves them to
     the front). Slots that wrap around end up outside every row's attended range."""
     @tf.function
@@ -315,7 +316,7 @@ def shift_function(segs, caches) -> "OnDevice":
     return OnDevice(run, segs[-1].device)
 
 
-def logits_function(segs, fns) -> "OnDevice":
+def logits_function(segs, fns) -> OnDevice:
     """``f(ids_BxP, pad_B)``: the logits (B, P, V) of every position, by prefill."""
     @tf.function
     def run(ids_BxP, pad_B):

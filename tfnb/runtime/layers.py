@@ -47,7 +47,8 @@ class PlacedLayers:
     @property
     def variables(self) -> list:
         """The placed ``tf.Variable``s (Keras 3 wraps each in a KerasVariable: unwrapped here)."""
-        return [v if isinstance(v, tf.Variable) else v.value for _, layer in self._layers for v in layer.weights]
+        return [v if isinstance(v, tf.Variable) else v.value
+                for _, layer in self._layers for v in layer.weights]
 
     def __call__(self, x) -> np.ndarray:
         if self.lost:
@@ -65,7 +66,8 @@ class PlacedLayers:
 
     def __repr__(self) -> str:
         devices = sorted(set(self.assignment.values()))
-        return f"<PlacedLayers {self.model.name}: {len(self._layers)} layers on {len(devices)} devices>"
+        return (f"<PlacedLayers {self.model.name}: {len(self._layers)} layers on "
+                f"{len(devices)} devices>")
 
 
 def place_layers(model, assignment) -> PlacedLayers:

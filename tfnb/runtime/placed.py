@@ -34,14 +34,24 @@ from tfnb.models.packed import PackedTensor
 from tfnb.runtime.devices import resolve_assignment
 from tfnb.runtime.faults import call_with_deadline
 from tfnb.runtime.graphs import Program, segment_functions
-from tfnb.runtime.requests import (GenerateOptions, GenerateRequest, make_batch, prompt_ids,
-                                   with_options_signature)
+from tfnb.runtime.requests import (
+    GenerateOptions,
+    GenerateRequest,
+    make_batch,
+    prompt_ids,
+    with_options_signature,
+)
 from tfnb.runtime.scheduler import Scheduler
 from tfnb.runtime.session import GenerateSession
 from tfnb.runtime.slots import MAX_ROWS
 from tfnb.runtime.tickets import RECENT, SAMPLING_MODES
-from tfnb.runtime.weights import (check_packed_ops, check_weights, kv_caches, param_variables,
-                                  segment_params)
+from tfnb.runtime.weights import (
+    check_packed_ops,
+    check_weights,
+    kv_caches,
+    param_variables,
+    segment_params,
+)
 
 __all__ = ["place_llama", "PlacedModel"]
 
@@ -49,7 +59,7 @@ _MAX_PROGRAMS = 3  # cache sets (batch, length) kept alive at once
 
 
 def place_llama(model, assignment, *, timeout: float | None = 60.0,
-                xla_loop: bool = True) -> "PlacedModel":
+                xla_loop: bool = True) -> PlacedModel:
     """Put ``model``'s stages on devices and return a ``PlacedModel`` ready to generate.
 
     Parameters
@@ -179,7 +189,7 @@ class PlacedModel:
 
     # ----- weights and caches ---------------------------------------------------------------
 
-    def replace(self, assignment) -> "PlacedModel":
+    def replace(self, assignment) -> PlacedModel:
         """A new placement of the same model; blocks whose device is unchanged keep their
         variables (nothing moves for them), the others are created on their new device. A
         placement that lost a worker reuses nothing: every stage is created afresh.
@@ -227,7 +237,8 @@ class PlacedModel:
             mine = [(seg, p) for seg, p in zip(self.segments, self.params) if seg.device == dev]
             variables = param_variables([p for _, p in mine])  # a tied table counted once
             out[dev] = {"weights": sum(v.shape.num_elements() * v.dtype.size for v in variables),
-                        "kv_cache": sum(len(seg.blocks) for seg, _ in mine) * rows * window * slot_bytes}
+                        "kv_cache": (sum(len(seg.blocks) for seg, _ in mine)
+                                     * rows * window * slot_bytes)}
         return out
 
     def program(self, B: int, S: int, owner="logits") -> Program:
@@ -456,7 +467,8 @@ class PlacedModel:
         Examples
         --------
         >>> st = pm.serving_status()                                    # doctest: +SKIP
-        >>> [(r["id"], r["tokens"], round(r["tokens_per_s"])) for r in st["requests"]]  # doctest: +SKIP
+        >>> [(r["id"], r["tokens"], round(r["tokens_per_s"]))          # doctest: +SKIP
+        ...  for r in st["requests"]]
         [(7, 12, 48), (8, 4, 31)]
         """
         return serving_summary(self.name, [self.replica_status(0)])

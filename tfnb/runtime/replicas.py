@@ -20,8 +20,9 @@ request fails with ``WorkerLostError``.
 
 Examples
 --------
->>> placed = tfnb.place(model, tfnb.plan(model, cluster, mode="replicate"), cluster)  # doctest: +SKIP
->>> placed.generate(["Hi", "Hello"])                                                 # doctest: +SKIP
+>>> plan = tfnb.plan(model, cluster, mode="replicate")      # doctest: +SKIP
+>>> placed = tfnb.place(model, plan, cluster)               # doctest: +SKIP
+>>> placed.generate(["Hi", "Hello"])                        # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -199,7 +200,8 @@ class ReplicatedModel:
         Examples
         --------
         >>> st = placed.serving_status()                                 # doctest: +SKIP
-        >>> [(r["devices"][0][-5:], r["lanes"][0]["rows_in_use"]) for r in st["replicas"]]  # doctest: +SKIP
+        >>> [(r["devices"][0][-5:], r["lanes"][0]["rows_in_use"])        # doctest: +SKIP
+        ...  for r in st["replicas"]]
         [('CPU:0', 2), ('CPU:0', 1)]
         """
         with self._lock:

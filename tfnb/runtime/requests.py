@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import numbers
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -59,7 +59,7 @@ class GenerateOptions:
     on_chunk: Callable | None = None
 
     @classmethod
-    def of(cls, options: dict) -> "GenerateOptions":
+    def of(cls, options: dict) -> GenerateOptions:
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = [k for k in options if k not in names]
         if unknown:
@@ -102,7 +102,7 @@ class GenerateRequest:
 
     @classmethod
     def check(cls, prompts, *, tokenizer, config, text: bool,
-              options: GenerateOptions) -> "GenerateRequest":
+              options: GenerateOptions) -> GenerateRequest:
         """Tokenize ``prompts`` and check every option; GenerateError names the first bad one."""
         o = options
         rows, single = prompt_ids(prompts, tokenizer, config.vocab_size)
@@ -153,10 +153,10 @@ def check_sampling(do_sample, temperature, top_k, top_p, seed) -> Sampling:
     --------
     >>> check_sampling(True, 0.7, 40, 0.9, 0).mode
     'filter'
-    >>> check_sampling(False, 0.0, 0, 1.0, None)
+    >>> check_sampling(False, 0.0, 0, 1.0, None)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    tfnb.errors.GenerateError: temperature=0.0: expected a number > 0 (use do_sample=False for greedy)
+    tfnb.errors.GenerateError: temperature=0.0: expected a number > 0 (use do_sample=False ...
     """
     if not isinstance(do_sample, bool):
         raise GenerateError(f"do_sample={do_sample!r}: expected True or False")
