@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent / "tfnb"
 # Lower layers first; a module may import its own layer and the ones below it. The notebook layer
 # (IPython, ipywidgets) sits above the whole core; the package's face and commands above it.
 LAYERS = [
-    ("tfnb.errors", "tfnb.names", "tfnb.hooks", "tfnb.kernels"),
+    ("tfnb.errors", "tfnb.names", "tfnb.hooks", "tfnb.shutdown", "tfnb.kernels"),
     ("tfnb.cluster", "tfnb.models"),
     ("tfnb.runtime",),
     ("tfnb.placement", "tfnb.serving"),

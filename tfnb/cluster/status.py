@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import html
 import json
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -17,6 +16,7 @@ from tfnb.cluster.probe import ProbeResult, probe_all
 from tfnb.cluster.spec import ClusterSpec, split_address
 from tfnb.cluster.worker import status_path
 from tfnb.errors import StatusFileError
+from tfnb.shutdown import start_thread
 
 
 @dataclass(frozen=True)
@@ -196,8 +196,7 @@ def _memory_all(targets: list[tuple[str, str]], wait: float) -> dict[str, dict]:
             except Exception:  # noqa: BLE001 - the worker went away meanwhile: figures unknown
                 pass
 
-        threads.append(threading.Thread(target=run, daemon=True))
-        threads[-1].start()
+        threads.append(start_thread(run, name=f"tfnb-memory {task}"))
     deadline = time.monotonic() + wait
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))

@@ -23,12 +23,13 @@ from __future__ import annotations
 import re
 import threading
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 from tensorflow.python.eager import context
 
 from tfnb.errors import WorkerLostError
+from tfnb.shutdown import start_thread
 
 __all__ = ["call_with_deadline", "devices_named_in", "LOST_WORKER_ERRORS",
            "guard_function_registration", "silent_workers", "PROBE_EVERY_S", "PROBE_TIMEOUT_S"]
@@ -80,10 +81,11 @@ def call_with_deadline(fn: Callable, args: tuple, *, timeout: float | None,
     >>> call_with_deadline(lambda x: x + 1, (1,), timeout=5.0, devices=["/device:CPU:0"])
     2
     >>> import time
-    >>> call_with_deadline(time.sleep, (2,), timeout=0.1, devices=["/device:CPU:0"])
+    >>> call_with_deadline(time.sleep, (2,), timeout=0.1,
+    ...                    devices=["/device:CPU:0"])  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    tfnb.errors.WorkerLostError: generate got no answer within 0.1 s from devices ['/device:CPU:0']...
+    tfnb.errors.WorkerLostError: generate got no answer within 0.1 s from devices ...
     """
     result: dict = {}
 
@@ -93,8 +95,7 @@ def call_with_deadline(fn: Callable, args: tuple, *, timeout: float | None,
         except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
             result["error"] = e
 
-    thread = threading.Thread(target=target, name=f"tfnb-{what}", daemon=True)
-    thread.start()
+    thread = start_thread(target, name=f"tfnb-{what}")
     if on_start is not None:
         on_start(thread)
     _wait(thread, timeout, devices, what, probe_timeout)
@@ -170,7 +171,8 @@ def _worker_addresses(devices: Sequence[str] | None) -> dict[str, str]:
             if used is None or task in used}
 
 
-def silent_workers(addresses: dict[str, str], timeout: float, states=("unresponsive",)) -> list[str]:
+def silent_workers(addresses: dict[str, str], timeout: float,
+                   states=("unresponsive",)) -> list[str]:
     """``["<task> at <address> (<why>)"]`` for the workers whose probe state is in ``states``."""
     from tfnb.cluster.probe import probe_all
 

@@ -24,6 +24,7 @@ from tfnb.errors import WorkerLostError
 from tfnb.runtime import slots as S
 from tfnb.runtime.tickets import RECENT, SAMPLING_MODES, Seq, Ticket
 from tfnb.runtime.warmup import WarmupQueue, warm_call
+from tfnb.shutdown import exiting, start_thread
 
 __all__ = ["Lane", "IDLE_EXIT_S"]
 
@@ -109,7 +110,7 @@ class Lane:
     # ----- the driver --------------------------------------------------------------------
 
     @staticmethod
-    def drive(ref: "weakref.ref[Lane]", cond: threading.Condition) -> None:
+    def drive(ref: weakref.ref[Lane], cond: threading.Condition) -> None:
         """The driver thread: admit, step, repeat; ends after ``IDLE_EXIT_S`` without work, or
         once its placed model is gone (it holds the lane only while it works, so dropping a
         placed model frees its variables on the workers at once)."""
@@ -117,7 +118,9 @@ class Lane:
         while True:
             with cond:
                 lane = ref()
-                if lane is None:
+                if lane is None or exiting():  # at exit: after the call under way
+                    if lane is not None:
+                        lane.thread = None
                     return
                 if not lane.pending and not lane.busy_rows() and not lane.warmup.shapes and \
                         all(o is None for o in lane.owners):  # ended rows are retired first
@@ -138,6 +141,12 @@ class Lane:
                 except ReferenceError:
                     return
             del lane
+
+    def start(self) -> None:
+        """Start the driver thread unless it runs (called with the condition held)."""
+        if self.thread is None and not exiting():
+            self.thread = start_thread(Lane.drive, weakref.ref(self), self.cond,
+                                       name=f"tfnb-lane-{self.index}", wake=self.cond)
 
     def turn(self) -> None:
         """One turn of the driver: retire ended rows, admit what fits, run a chunk of decode

@@ -68,16 +68,10 @@ class Scheduler:
             ticket.lane = lane
             lane.pending.append(ticket)
             self.served += 1
-            self._drive(lane)
+            lane.start()
             self.cond.notify_all()
         return ticket
 
-    def _drive(self, lane: Lane) -> None:
-        """Start ``lane``'s driver thread unless it runs (called with the condition held)."""
-        if lane.thread is None:
-            lane.thread = threading.Thread(target=Lane.drive, args=(weakref.ref(lane), self.cond),
-                                           name=f"tfnb-lane-{lane.index}", daemon=True)
-            lane.thread.start()
 
     def warmup(self, modes, prompt_tokens: int) -> int:
         """Queue every shape of call (:func:`warm_shapes`) on each lane, for its driver to
@@ -90,7 +84,7 @@ class Scheduler:
         for lane in self.lanes:
             queued += lane.warmup.queue(modes, prompt_tokens, **lane.cache_shape())
             with self.cond:
-                self._drive(lane)
+                lane.start()
         return queued
 
     def warming(self) -> int:
