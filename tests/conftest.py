@@ -4,10 +4,10 @@ import os
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import faulthandler  # noqa: E402
-import warnings  # noqa: E402
+import faulthandler
+import warnings
 
-import pytest  # noqa: E402
+import pytest
 
 # pytest-timeout (600 s, pyproject) fails a test from a Python signal handler, which cannot run
 # while a C call holds the GIL; TF's set_server_def can hang that way. This watchdog runs in C:
@@ -117,7 +117,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     reasons = collections.Counter()
     for rep in terminalreporter.stats.get("skipped", []):
         longrepr = rep.longrepr
-        reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+        reason = (longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3
+                  else str(longrepr))
         reasons[reason.removeprefix("Skipped: ").strip()] += 1
     total = sum(reasons.values())
     if not total:
@@ -125,3 +126,15 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         return
     parts = "; ".join(f"{n} x {why}" for why, n in reasons.most_common())
     terminalreporter.write_line(f"skipped: {total} ({parts})")
+
+
+@pytest.fixture(autouse=True)
+def _no_display_hook():
+    """Every test starts as a script does, with no live display for generate calls: loading
+    the extension into the session's terminal IPython (``ipython``) installs a text one, which
+    would otherwise print and chunk the generate calls of every later test."""
+    from tfnb import hooks
+
+    hooks.display_hook = None
+    yield
+    hooks.display_hook = None

@@ -1,6 +1,7 @@
 """The serving view on real workers: a placed model's status while concurrent requests run
 (rows in use, tokens so far, then the finished ones), and the widget redrawing it by itself."""
 import gc
+import re
 import threading
 import time
 
@@ -9,7 +10,8 @@ import pytest
 import tfnb
 from tfnb.models import tiny
 from tfnb.notebook.widgets import ServingView
-from tfnb.notebook.widgets.serving_view import ServingViewError
+from tfnb.notebook.widgets.serving_view import ServingText, ServingViewError, serving_text
+
 from tests.test_replicas import concurrently
 
 PROMPTS = ["hello world", "the cat sat", "one two three"]
@@ -131,7 +133,7 @@ def test_a_replicated_model_shows_one_section_per_replica(cluster, model):
     placed = tfnb.place(model, tfnb.plan(model, cluster, mode="replicate", calibrate=False),
                         cluster)
     placed.eos_ids = ()
-    view = tfnb.serving_view(placed, interval=0.1)
+    view = ServingView(placed, interval=0.1)
     try:
         assert view.html.value.count("class='tfnb-replica'") == 2
         thread, out = _in_background(placed, PROMPTS[:2], n=64)
@@ -163,10 +165,12 @@ def test_bad_arguments_name_the_value(placed):
 
 def test_server_view_and_the_magic_option(placed, ipython, monkeypatch):
     pytest.importorskip("uvicorn")
+    import tfnb.notebook
     from tfnb.notebook import magics
 
     shown = []
     monkeypatch.setattr(magics, "display", shown.append)
+    monkeypatch.setattr(tfnb.notebook, "in_kernel", lambda: True)  # as in Jupyter: the widget
     ipython.user_ns["placed_for_view"] = placed
     server = ipython.run_line_magic("tfserve", "placed_for_view --view -o served")
     try:
@@ -175,9 +179,50 @@ def test_server_view_and_the_magic_option(placed, ipython, monkeypatch):
         assert isinstance(view, ServingView) and view.running
         assert "replica 0" in view.html.value and view.model is server.placed
         view.stop()
+        monkeypatch.setattr(tfnb.notebook, "in_kernel", lambda: False)  # a terminal: text
         other = tfnb.serving_view(server, interval=0.2)
+        assert isinstance(other, ServingText)
         assert other.status["replicas"][0]["devices"] == placed.devices
         other.close()
+        assert not other.running and "replica 0 on " in other.text
     finally:
         server.close()
         del ipython.user_ns["placed_for_view"], ipython.user_ns["served"]
+
+
+def test_outside_a_kernel_the_view_prints_rows_and_requests_in_flight(placed, capsys):
+    view = tfnb.serving_view(placed, interval=0.05)  # pytest is no Jupyter kernel
+    try:
+        assert isinstance(view, ServingText) and view.running
+        assert str(view) in capsys.readouterr().out and "0 in flight" in view.text
+        thread, out = _in_background(placed, PROMPTS)
+        _until(lambda: re.search(r"lane 0: 3/\d+ rows in use, 3 in flight: #\d+ \d+/96, ",
+                                 view.text))
+        thread.join(120)
+        _until(lambda: view.text.endswith("rows in use, 0 in flight"), timeout=10)
+    finally:
+        view.stop()
+    assert not view.thread.is_alive() and not view.running and "stopped" in repr(view)
+    printed = capsys.readouterr().out
+    assert printed.count("3 request(s) in flight") >= 2  # a print per redraw that changed it
+    assert printed.rstrip("\n").endswith(view.text)
+    placed.generate_ids("x y", max_new_tokens=4)
+    time.sleep(0.3)
+    assert capsys.readouterr().out == ""  # stopped: nothing prints any more
+
+
+def test_status_as_text_names_each_replica_and_lane():
+    status = {"model": "m", "in_flight": 9, "recent": [], "requests": [], "replicas": [
+        {"replica": r, "devices": [f"/job:worker/replica:0/task:{r}/device:CPU:0"],
+         "lost": "worker gone" if r else None,
+         "requests": [{"id": i, "lane": 0, "tokens": i, "max_tokens": 50} for i in range(9)]
+         if not r else [],
+         "lanes": [{"lane": 0, "rows": 16, "rows_in_use": 9 if not r else 0, "waiting": 2,
+                    "waiting_rows": 2, "slot": 1, "slots": 8, "steps": 1}]} for r in (0, 1)]}
+    assert serving_text(status).splitlines() == [
+        "m: 9 request(s) in flight on 2 replica(s)",
+        "  replica 0 on worker:0/CPU:0",
+        "    lane 0: 9/16 rows in use, 9 in flight: #0 0/50, #1 1/50, #2 2/50, #3 3/50, "
+        "#4 4/50, #5 5/50, +3 more, 2 waiting",
+        "  replica 1 on worker:1/CPU:0 (lost: worker gone)",
+        "    lane 0: 0/16 rows in use, 0 in flight, 2 waiting"]

@@ -6,6 +6,8 @@ quickstart notebook, and says where they are.
 """
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -14,6 +16,33 @@ from pathlib import Path
 def _step(text: str) -> float:
     print(f"\n== {text}", flush=True)
     return time.perf_counter()
+
+
+def execute_notebook(nb, cwd, timeout: float = 900) -> None:
+    """Run every cell of the notebook ``nb`` (nbformat) in place, in a fresh ``python3`` kernel
+    working in the folder ``cwd``.
+
+    The kernel talks to this process over local sockets (IPC, on POSIX systems), not TCP:
+    nothing else on the network can reach it, and it has no unencrypted-TCP warning to print.
+
+    Examples
+    --------
+    >>> import nbformat
+    >>> nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print(6 * 7)")])
+    >>> execute_notebook(nb, ".")                       # doctest: +SKIP
+    >>> nb.cells[0].outputs[0].text                     # doctest: +SKIP
+    '42\\n'
+    """
+    from nbclient import NotebookClient
+    from traitlets.config import Config
+
+    with tempfile.TemporaryDirectory(prefix="tfnb-kernel-") as sockets:
+        config = Config()
+        if os.name == "posix":  # (Windows has no IPC sockets: TCP there)
+            config.KernelManager.transport = "ipc"
+            config.KernelManager.ip = os.path.join(sockets, "kernel")
+        NotebookClient(nb, timeout=timeout, kernel_name="python3", config=config,
+                       resources={"metadata": {"path": str(cwd)}}).execute()
 
 
 def run_demo(out_dir: str = "demo-output", notebook: str | None = "notebooks/01-quickstart.ipynb",
@@ -52,7 +81,7 @@ def run_demo(out_dir: str = "demo-output", notebook: str | None = "notebooks/01-
             cap = None
         else:
             t = _step("loading SmolLM2-135M-Instruct from its package (no network)")
-            model = tfnb.load_model("smollm2")
+            model = tfnb.load_model("smollm2", progress=False)  # the step is announced
             cap = "100MB"
         print(model, f"({time.perf_counter() - t:.1f} s)")
         t = _step("planning: measuring the cluster, then the optimal split"
@@ -82,13 +111,12 @@ def run_demo(out_dir: str = "demo-output", notebook: str | None = "notebooks/01-
                 print(f"security: {w.message}")
     written = {"profile_figure": str(figure.resolve()), "answer": answer}
     if notebook and Path(notebook).exists():
-        t = _step(f"running the quickstart notebook {notebook} (a fresh kernel and cluster, a few minutes)")
+        t = _step(f"running the quickstart notebook {notebook} (a fresh kernel and cluster, "
+                  "a few minutes)")
         import nbformat
-        from nbclient import NotebookClient
 
         nb = nbformat.read(notebook, as_version=4)
-        NotebookClient(nb, timeout=900, kernel_name="python3",
-                       resources={"metadata": {"path": str(out)}}).execute()
+        execute_notebook(nb, out)
         executed = out / Path(notebook).name
         nbformat.write(nb, executed)
         written["notebook"] = str(executed.resolve())

@@ -1,9 +1,9 @@
 """Hooks that one layer installs and another calls, so that neither imports the other.
 
 ``display_hook``: a factory of a live display for text generation, called once per generate or
-chat call that has no ``on_chunk`` of its own. None in plain Python; ``%load_ext tfnb`` in a
-Jupyter kernel sets it, so a notebook shows the text, the token count and tokens/s as chunks
-of tokens arrive.
+chat call that has no ``on_chunk`` of its own. None in plain Python, so a script prints
+nothing it did not ask for; ``%load_ext tfnb`` sets it, so a notebook shows the text, the token
+count and tokens/s as chunks of tokens arrive (terminal IPython prints them as text).
 
 ``before_workers_stop``: callables ``hook(addresses, why, final)`` that the cluster package calls
 before workers go away (``final=True``: a local cluster closing, a worker restarting, interpreter
