@@ -12,21 +12,54 @@ import tfnb
 from tfnb import kernels
 from tfnb.errors import ModelError, PlacementError
 from tfnb.models import decoder
-from tfnb.models.packed import PackedTensor, fuse_rows
+from tfnb.models.packed import PackedTensor, fuse_rows, quantize_rows
 
 from tests.test_models import write_llama_gguf
 
 gguf = pytest.importorskip("gguf")
-from gguf.quants import dequantize, quantize
+from gguf.quants import dequantize
 
-TYPES = ["F32", "F16", "Q4_0", "Q4_1", "Q8_0"]
+INT8_TYPES = ["Q4_0", "Q4_1", "Q8_0"]         # what the int8 route multiplies
+NEW_TYPES = ["Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "BF16"]
+TYPES = ["F32", "F16", *INT8_TYPES, *NEW_TYPES]
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+
+
+def cols_for(name, C):
+    """``C`` columns, rounded up to whole 256-value blocks for a K-quant."""
+    return -(-C // 256) * 256 if name in K_QUANTS else C
 
 
 def packed_rows(w_MxC, name):
-    """``w`` quantized by gguf and viewed as tfnb's packed rows (uint8 [M, row bytes])."""
-    qt = gguf.GGMLQuantizationType[name]
-    q = np.ascontiguousarray(quantize(w_MxC, qt))
-    return q.view(np.uint8).reshape(w_MxC.shape[0], -1), dequantize(q, qt).astype(np.float32)
+    """``w`` quantized (by gguf, or tfnb's K-quant rounding where gguf has no quantizer) as
+    tfnb's packed rows (uint8 [M, row bytes]), and gguf's dequantization of them."""
+    q = quantize_rows(w_MxC, kernels.QTYPES[name])
+    return q, gguf_values(q, name, w_MxC.shape[1])
+
+
+def gguf_values(w_MxR, name, C):
+    return np.asarray(dequantize(w_MxR, gguf.GGMLQuantizationType[name]),
+                      np.float32).reshape(len(w_MxR), C)
+
+
+# the float16 scales of each new block type: (offset, count) in its block
+_SCALES = {"Q5_0": (0, 1), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, 1)}
+
+
+def random_blocks(rng, M, C, name):
+    """Rows of random bytes (every code, fifth bit, 6-bit scale and min, and Q6_K's int8
+    scales, of either sign) whose float16 scales are set to sane values (0.001 to 0.1)."""
+    w_MxR = rng.integers(0, 256, (M, kernels.row_bytes(kernels.QTYPES[name], C)), np.uint8)
+    if name in _SCALES:
+        start, count = _SCALES[name]
+        size = len(w_MxR[0]) // (C // (256 if name in K_QUANTS else 32))
+        blocks = w_MxR.reshape(-1, size)
+        d = rng.uniform(0.001, 0.1, (len(blocks), count)).astype(np.float16)
+        blocks[:, start:start + 2 * count] = d.view(np.uint8)
+    else:  # BF16: finite values of about 1
+        w_MxR.view(np.uint16)[:] = (rng.standard_normal((M, C)).astype(np.float32)
+                                    .view(np.uint32) >> 16).astype(np.uint16)
+    return w_MxR, gguf_values(w_MxR, name, C)
 
 
 # ---------------------------------------------------------------- the kernels
@@ -48,6 +81,7 @@ def test_packed_matmul_matches_gguf_dequantize(name, M, C, N):
     import tensorflow as tf
 
     rng = np.random.default_rng(M * C + N)
+    C = cols_for(name, C)
     w_MxR, ref_MxC = packed_rows(rng.standard_normal((M, C)).astype(np.float32), name)
     x_NxC = rng.standard_normal((N, C)).astype(np.float32)
     want = x_NxC @ ref_MxC.T
@@ -61,6 +95,59 @@ def test_packed_matmul_matches_gguf_dequantize(name, M, C, N):
     assert np.array_equal(kernels.packed_dequantize(w_MxR, qtype, C).numpy(), ref_MxC)
 
 
+@pytest.mark.parametrize("name", NEW_TYPES)
+@pytest.mark.parametrize("M,C,N", [(3, 256, 1), (9, 512, 5), (4, 1536, 11)])
+def test_random_blocks_read_as_gguf_reads_them(name, M, C, N):
+    """Blocks of random bytes (every code, high bit, packed 6-bit scale and min, and Q6_K's
+    int8 scales of either sign) with sane float16 scales: the dequantize op gives gguf's values
+    bit for bit (every product in them is exact in float32, so the order of the multiplies
+    does not matter), and the matmul, eager and in XLA, gives their float product within
+    float32 summation (1e-5 of sqrt(C) times the largest weight), a row alone as in the
+    batch."""
+    import tensorflow as tf
+
+    rng = np.random.default_rng(M + C + N)
+    w_MxR, ref_MxC = random_blocks(rng, M, C, name)
+    qtype = kernels.QTYPES[name]
+    assert np.array_equal(kernels.packed_dequantize(w_MxR, qtype, C).numpy(), ref_MxC)
+    x_NxC = rng.standard_normal((N, C)).astype(np.float32)
+    eager = kernels.packed_matmul(x_NxC, w_MxR, qtype, C).numpy()
+    compiled = tf.function(lambda x, w: kernels.packed_matmul(x, w, qtype, C),
+                           jit_compile=True)(x_NxC, w_MxR).numpy()
+    tol = 1e-5 * np.sqrt(C) * np.abs(ref_MxC).max()
+    for got in (eager, compiled):
+        np.testing.assert_allclose(got, x_NxC.astype(np.float64) @ ref_MxC.T, atol=tol, rtol=0)
+    if name != "BF16":  # float rows on AVX-512 sum in 4 chains at 1 row, 2 from 2 rows on
+        assert np.array_equal(eager[-1:], kernels.packed_matmul(x_NxC[-1:], w_MxR, qtype,
+                                                                C).numpy())
+
+
+@pytest.mark.parametrize("name", K_QUANTS)
+def test_k_quant_rounding_stays_within_half_a_step(name):
+    """``quantize_rows``' K-quants (gguf has no quantizer for them), read back by gguf: each
+    value within half its group's step, plus the rounding of the group's scale (6 bits of the
+    block's largest; Q6_K: 8 bits, groups of 16 values). Q4_K and Q5_K groups span from their
+    minimum or 0, whichever is lower (and rounded to 6 bits), to their maximum."""
+    rng = np.random.default_rng(8)
+    w_MxC = (rng.standard_normal((6, 512)) + rng.uniform(-1, 1, (6, 1))).astype(np.float32)
+    w_MxR, ref_MxC = packed_rows(w_MxC, name)
+    assert w_MxR.shape == (6, 2 * {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[name])
+    if name == "Q6_K":
+        groups = w_MxC.reshape(-1, 16, 16)
+        step = np.abs(groups).max(-1) / 31
+        bits = 127
+    else:
+        groups = w_MxC.reshape(-1, 8, 32)
+        mins = -np.minimum(groups.min(-1), 0)  # rounded up: by up to 1/63 of the block's most
+        span = groups.max(-1) + mins + mins.max(-1, keepdims=True) / 63
+        step = span / (15 if name == "Q4_K" else 31)
+        bits = 63
+    bound = step / 2 + step.max(-1, keepdims=True) / bits / 2
+    err = np.abs(ref_MxC - w_MxC).reshape(groups.shape).max(-1)
+    assert (err <= bound * (1 + 1e-3)).all()
+    assert np.median(err / bound) > 0.5  # and the bound is not loose
+
+
 @pytest.mark.parametrize("name", TYPES)
 @pytest.mark.parametrize("N,zero", [(48, range(11)), (8, (1, 5, 6)), (9, (8,)), (3, (0, 1, 2))])
 def test_zero_rows_are_skipped_and_the_others_multiply_as_without_them(name, N, zero):
@@ -69,7 +156,7 @@ def test_zero_rows_are_skipped_and_the_others_multiply_as_without_them(name, N, 
     the kernel multiplies only those, packed together."""
     import tensorflow as tf
 
-    C, M = 96, 70
+    C, M = cols_for(name, 96), 70
     rng = np.random.default_rng(N)
     w_MxR, ref_MxC = packed_rows(rng.standard_normal((M, C)).astype(np.float32), name)
     x_NxC = rng.standard_normal((N, C)).astype(np.float32)
@@ -87,7 +174,7 @@ def test_zero_rows_are_skipped_and_the_others_multiply_as_without_them(name, N, 
                                        atol=1e-5 * np.sqrt(C) * np.abs(ref_MxC).max())
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("name", [*INT8_TYPES, *NEW_TYPES[:-1]])
 @pytest.mark.parametrize("C", [576, 1536])
 def test_a_row_gets_the_same_bits_alone_as_among_up_to_8_rows(name, C):
     """A lone request's step and a batch's compute each output alike: from 1 to 8 activation
@@ -96,6 +183,7 @@ def test_a_row_gets_the_same_bits_alone_as_among_up_to_8_rows(name, C):
     blocks read their Q4_1 scales per block, rows of 48 convert them first below 8 rows, and
     the outputs' sums are reduced one at a time or eight at once."""
     rng = np.random.default_rng(C)
+    C = cols_for(name, C)
     w_MxR, _ = packed_rows(rng.standard_normal((38, C)).astype(np.float32), name)
     x_NxC = rng.standard_normal((8, C)).astype(np.float32)
     qtype = kernels.QTYPES[name]
@@ -125,28 +213,47 @@ print(kernels.isa(), "|", "; ".join(bad))
 """
 
 
-def test_avx2_code_gives_a_row_the_same_bits_alone_as_in_any_batch(tmp_path):
-    """The AVX2 code (what CPUs without AVX-512 run; ``$TFNB_PACKED_ISA=avx2`` elsewhere) sums
-    every output in the same order on each of its routes: one or two weight rows against up
-    to 5 activation rows, and the decoded tiles of more (a batch of 6 to 8, a prompt). So
-    every row of a batch of any size, including an odd last weight row, gives bit for bit
-    what it gives alone, for every weight type."""
+def same_bits_in_batches(tmp_path, isa, names):
+    """Under ``$TFNB_PACKED_ISA=isa``: the code that ran, and which of ``names``' matrices
+    (odd and even row counts, one to six 256-value blocks a row) gave some row of a batch of
+    2 to 9, 16 or 48 rows other bits than it gets alone."""
     rng = np.random.default_rng(9)
     arrays = {"x": rng.standard_normal((48, 1536)).astype(np.float32)}
-    for name in ["F32", "F16", "Q4_0", "Q4_1", "Q8_0"]:
+    for name in names:
         for M, C in [(38, 576), (37, 1536), (5, 96)]:
+            C = cols_for(name, C)
             arrays[f"w_{name}_{C}"] = packed_rows(
                 rng.standard_normal((M, C)).astype(np.float32), name)[0]
     np.savez(tmp_path / "in.npz", **arrays)
     environ = {k: v for k, v in os.environ.items() if not k.startswith("TFNB_PACKED_")}
     done = subprocess.run([sys.executable, "-c", _SAME_BITS, str(tmp_path / "in.npz")],
                           capture_output=True, text=True, timeout=300,
-                          env={**environ, "TFNB_PACKED_ISA": "avx2",
+                          env={**environ, **({} if isa == "best" else {"TFNB_PACKED_ISA": isa}),
                                "TF_CPP_MIN_LOG_LEVEL": "3"})
     assert done.returncode == 0, done.stderr[-3000:]
-    isa, _, bad = (part.strip() for part in done.stdout.strip().splitlines()[-1].partition("|"))
+    ran, _, bad = (part.strip() for part in done.stdout.strip().splitlines()[-1].partition("|"))
+    return ran, bad
+
+
+def test_avx2_code_gives_a_row_the_same_bits_alone_as_in_any_batch(tmp_path):
+    """The AVX2 code (what CPUs without AVX-512 run; ``$TFNB_PACKED_ISA=avx2`` elsewhere) sums
+    every output in the same order on each of its routes: one or two weight rows against up
+    to 5 activation rows, and the decoded tiles of more (a batch of 6 to 8, a prompt). So
+    every row of a batch of any size, including an odd last weight row, gives bit for bit
+    what it gives alone, for every weight type."""
+    isa, bad = same_bits_in_batches(tmp_path, "avx2", TYPES)
     if isa != "avx2":
         pytest.skip(f"this CPU has no AVX2 (the packed kernels run their {isa} code)")
+    assert bad == ""
+
+
+@pytest.mark.parametrize("isa", ["best", "portable"])
+def test_newer_block_types_give_a_row_the_same_bits_alone_as_in_any_batch(tmp_path, isa):
+    """Q5_0, Q5_1 and the K-quants sum each output in one order at any batch size on every
+    code: on AVX-512 they take weight rows two at a time, and a range's odd last row alone,
+    in one chain at any row count (the older block types' last row sums in four at 1 row)."""
+    ran, bad = same_bits_in_batches(tmp_path, isa, NEW_TYPES[:-1])
+    assert ran == (kernels.isa() if isa == "best" else "portable")
     assert bad == ""
 
 
@@ -225,14 +332,15 @@ def test_int8_activations_carry_inf_and_nan_to_their_row_only(name):
     np.testing.assert_allclose(got[2:], want, atol=1e-5 * np.abs(want).max(), rtol=0)
 
 
-@pytest.mark.parametrize("name", ["F32", "F16"])
-def test_int8_activations_leave_float_weights_on_the_float_route(name):
+@pytest.mark.parametrize("name", [t for t in TYPES if t not in INT8_TYPES])
+def test_int8_activations_leave_the_other_types_on_the_float_route(name):
     rng = np.random.default_rng(4)
-    w_MxR, _ = packed_rows(rng.standard_normal((5, 64)).astype(np.float32), name)
-    x_NxC = rng.standard_normal((3, 64)).astype(np.float32)
+    C = cols_for(name, 64)
+    w_MxR, _ = packed_rows(rng.standard_normal((5, C)).astype(np.float32), name)
+    x_NxC = rng.standard_normal((3, C)).astype(np.float32)
     q = kernels.QTYPES[name]
-    assert np.array_equal(kernels.packed_matmul(x_NxC, w_MxR, q, 64, "int8").numpy(),
-                          kernels.packed_matmul(x_NxC, w_MxR, q, 64).numpy())
+    assert np.array_equal(kernels.packed_matmul(x_NxC, w_MxR, q, C, "int8").numpy(),
+                          kernels.packed_matmul(x_NxC, w_MxR, q, C).numpy())
 
 
 def test_activations_option_is_checked():
@@ -266,11 +374,16 @@ def test_portable_and_avx2_code_agree_with_this_cpus_best(tmp_path):
     arrays, refs = {}, {}
     for i, (M, C, N) in enumerate([(7, 96, 3), (11, 576, 9), (6, 160, 2), (5, 96, 8),
                                          (5, 2336, 9), (4, 2336, 3)]):
-        arrays[f"x_{i}"] = rng.standard_normal((N, C)).astype(np.float32)
-        arrays[f"x_{i}"][0, 50] = np.nan  # row 0: NaN on both routes, both codes
-        for name in ["F16", "Q4_0", "Q4_1", "Q8_0"]:
-            arrays[f"w_{name}_{i}"], refs[f"{name}_{i}"] = packed_rows(
-                rng.standard_normal((M, C)).astype(np.float32), name)
+        for name in ["F16", *INT8_TYPES, *NEW_TYPES]:
+            Cn = cols_for(name, C)
+            key = f"{i}k" if Cn != C else f"{i}"  # the K-quants' own activations
+            if f"x_{key}" not in arrays:
+                arrays[f"x_{key}"] = rng.standard_normal((N, Cn)).astype(np.float32)
+                arrays[f"x_{key}"][0, 50] = np.nan  # row 0: NaN on both routes, both codes
+            # the newer types: quantized floats, and random blocks (every bit pattern)
+            w = random_blocks(rng, M, Cn, name) if name in NEW_TYPES and i % 2 else \
+                packed_rows(rng.standard_normal((M, Cn)).astype(np.float32), name)
+            arrays[f"w_{name}_{key}"], refs[f"{name}_{key}"] = w
     np.savez(tmp_path / "in.npz", **arrays)
     outs, isas = {}, {}
     envs = {"portable": {"TFNB_PACKED_PORTABLE": "1"}, "avx2": {"TFNB_PACKED_ISA": "avx2"},
@@ -297,7 +410,7 @@ def test_portable_and_avx2_code_agree_with_this_cpus_best(tmp_path):
             assert np.isnan(outs[env][key][0]).all()
         assert np.isnan(outs["best"][key][0]).all()
         x = x[1:]
-        xin = q8_activations(x)[0] if route == "int8" and name != "F16" else x
+        xin = q8_activations(x)[0] if route == "int8" and name in INT8_TYPES else x
         for env in envs:
             np.testing.assert_allclose(outs[env][key][1:], xin @ ref.T, atol=tol, rtol=0)
 
@@ -352,7 +465,7 @@ def test_packed_matmuls_of_concurrent_computations_all_finish(tmp_path):
     assert out.stdout.split()[-2:] == ["160", "True"], out.stdout[-500:] + out.stderr[-2000:]
 
 
-@pytest.mark.parametrize("name", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("name", ["Q4_1", "Q8_0", "Q4_K", "Q6_K"])
 def test_many_rows_go_through_a_dequantized_dot_with_the_same_result(name):
     """A prefill's matmul (``DEQUANTIZE_ROWS`` rows or more) takes the dequantize-then-dot
     route inside XLA; it equals the packed kernel's result, so both routes give one model."""
@@ -361,7 +474,7 @@ def test_many_rows_go_through_a_dequantized_dot_with_the_same_result(name):
     from tfnb.runtime import forward as L
 
     rng = np.random.default_rng(3)
-    C, M = 96, 40
+    C, M = cols_for(name, 96), 40
     w_MxR, ref_MxC = packed_rows(rng.standard_normal((M, C)).astype(np.float32), name)
     w = L.Packed(tf.constant(w_MxR), kernels.QTYPES[name], C)
     for N in (L.DEQUANTIZE_ROWS - 1, L.DEQUANTIZE_ROWS + 5):
@@ -371,7 +484,7 @@ def test_many_rows_go_through_a_dequantized_dot_with_the_same_result(name):
                                    atol=1e-5 * np.sqrt(C) * np.abs(ref_MxC).max())
 
 
-@pytest.mark.parametrize("name", ["F32", "F16"])
+@pytest.mark.parametrize("name", ["F32", "F16", "BF16"])
 def test_float_rows_of_any_width_use_the_portable_path(name):
     rng = np.random.default_rng(1)
     w_MxR, ref_MxC = packed_rows(rng.standard_normal((3, 20)).astype(np.float32), name)
@@ -419,10 +532,14 @@ def test_bad_packed_shapes_name_what_is_expected():
 
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"expected \[rows, 40\]"):
         kernels.packed_matmul(np.ones((1, 64), np.float32), np.zeros((2, 41), np.uint8), 3, 64)
-    with pytest.raises(tf.errors.InvalidArgumentError, match="qtype 6"):
-        kernels.packed_matmul(np.ones((1, 64), np.float32), np.zeros((2, 40), np.uint8), 6, 64)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="qtype 10"):  # Q2_K
+        kernels.packed_matmul(np.ones((1, 64), np.float32), np.zeros((2, 40), np.uint8), 10, 64)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="256 for the K-quants"):
+        kernels.packed_matmul(np.ones((1, 64), np.float32), np.zeros((2, 36), np.uint8), 12, 64)
     with pytest.raises(ValueError, match="'Q4_1' with 40 columns"):
         kernels.row_bytes(kernels.QTYPES["Q4_1"], 40)
+    with pytest.raises(ValueError, match=r"'Q6_K' with 288 columns.*256 for the K-quants"):
+        kernels.row_bytes(kernels.QTYPES["Q6_K"], 288)
 
 
 def test_packed_tensor_reads_as_its_float_values():
@@ -445,7 +562,8 @@ def test_packed_tensor_reads_as_its_float_values():
 
 def write_quantized_gguf(path, config, weights, types):
     """A llama GGUF with each matrix in ``types[kind]`` (kind: embed, attn, ffn), written by
-    gguf's writer after tfnb's F32 layout: quantized here, from the same canonical weights."""
+    gguf's writer after tfnb's F32 layout: quantized here (``quantize_rows``), from the same
+    canonical weights."""
     write_llama_gguf(path, config, weights)  # F32 reference layout (permuted q/k rows)
     reader = gguf.GGUFReader(str(path))
     tensors = [(t.name, np.array(t.data)) for t in reader.tensors]
@@ -469,7 +587,8 @@ def write_quantized_gguf(path, config, weights, types):
             writer.add_tensor(name, data)
             continue
         qt = gguf.GGMLQuantizationType[types[kind]]
-        writer.add_tensor(name, quantize(data, qt), raw_dtype=qt)
+        rows = quantize_rows(data.reshape(-1, data.shape[-1]), kernels.QTYPES[types[kind]])
+        writer.add_tensor(name, rows.reshape(*data.shape[:-1], -1), raw_dtype=qt)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -498,6 +617,31 @@ def test_a_quantized_gguf_loads_packed_by_default(tiny_gguf):
     assert packed.nbytes < 0.3 * floats.nbytes
     assert packed.chain.unique_param_bytes == packed.nbytes
     assert "packed" in repr(packed)
+
+
+def test_a_k_quant_gguf_runs_packed_as_float32_does(tmp_path, cluster):
+    """The common download: K-quant matrices and a tied Q6_K embedding (the token lookup
+    dequantizes the gathered rows, the head multiplies the packed table) stay packed, read
+    as gguf reads them, at a fraction of their float32 bytes, and decode the float32 path's
+    tokens and logits (up to summation order)."""
+    config = decoder.tiny_config(hidden_size=256, ffn_size=512)
+    path = tmp_path / "tiny-k.gguf"
+    write_quantized_gguf(path, config, decoder.random_weights(config, 4),
+                         {"embed": "Q6_K", "attn": "Q4_K", "ffn": "Q5_K"})
+    packed = tfnb.load_model(path, progress=False)
+    floats = tfnb.load_model(path, weights="float32", progress=False)
+    assert packed.packed and packed.weights["embed"].qtype_name == "Q6_K"
+    assert packed.weights["blocks.1.wq"].qtype_name == "Q4_K"
+    assert packed.weights["blocks.0.w_down"].qtype_name == "Q5_K"
+    for name, w in floats.weights.items():
+        assert np.array_equal(np.asarray(packed.weights[name]), w), name
+    assert packed.nbytes < 0.2 * floats.nbytes
+    ref = tfnb.place(floats, [cluster.devices[0]], cluster)
+    placed = tfnb.place(packed, [cluster.devices[0]], cluster)
+    assert placed.generate_ids(PROMPTS, max_new_tokens=8) == \
+        ref.generate_ids(PROMPTS, max_new_tokens=8)
+    for got, want in zip(placed.logits(PROMPTS), ref.logits(PROMPTS)):
+        assert np.abs(got - want).max() <= 1e-4 * np.ptp(want)
 
 
 def test_weights_option_is_checked(tiny_gguf, tmp_path):

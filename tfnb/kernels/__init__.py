@@ -35,9 +35,13 @@ __all__ = ["QTYPES", "row_bytes", "library", "build", "packed_matmul", "packed_d
            "decode_attention", "isa", "OP_NAMES", "ACTIVATIONS", "KernelBuildError"]
 
 # ggml type ids the kernels read, by GGUF name
-QTYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+QTYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8,
+          "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "BF16": 30}
 OP_NAMES = ("TfnbPackedMatMul", "TfnbPackedDequantize", "TfnbDecodeAttention")
-_BLOCK_BYTES = {2: 18, 3: 20, 8: 34}   # bytes per block of 32 values
+_VALUE_BYTES = {0: 4, 1: 2, 30: 2}   # the float types: bytes per value
+# the block types: (values, bytes) per block
+_BLOCKS = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
+           12: (256, 144), 13: (256, 176), 14: (256, 210)}
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SOURCES = tuple(sorted(glob.glob(os.path.join(_HERE, "*.cc"))))
 _HEADERS = tuple(sorted(glob.glob(os.path.join(_HERE, "*.h"))))
@@ -52,15 +56,15 @@ class KernelBuildError(RuntimeError):
 
 def row_bytes(qtype: int, cols: int) -> int:
     """Bytes of one packed row of ``cols`` values of ggml type ``qtype``."""
-    if qtype == 0:
-        return 4 * cols
-    if qtype == 1:
-        return 2 * cols
-    if qtype not in _BLOCK_BYTES or cols % 32:
+    if qtype in _VALUE_BYTES:
+        return _VALUE_BYTES[qtype] * cols
+    values, nbytes = _BLOCKS.get(qtype, (32, 0))
+    if not nbytes or cols % values:
         names = {v: k for k, v in QTYPES.items()}
         raise ValueError(f"qtype={names.get(qtype, qtype)!r} with {cols} columns: expected one "
-                         f"of {list(QTYPES)} and, for block types, a multiple of 32 columns")
-    return cols // 32 * _BLOCK_BYTES[qtype]
+                         f"of {list(QTYPES)} and, for block types, a multiple of 32 columns "
+                         "(256 for the K-quants Q4_K, Q5_K, Q6_K)")
+    return cols // values * nbytes
 
 
 def _flags() -> list[str]:
@@ -162,8 +166,8 @@ def packed_matmul(x_NxC, w_MxR, qtype: int, cols: int, activations: str = "float
     dot products for Q4_0, Q4_1 and Q8_0 weights, exact for the rounded ``x`` (each value moves
     by at most half its block's scale). It is faster where the float route runs its AVX2 code
     (``benchmarks/results/kernel_avx2.md``); where it runs AVX-512, no faster at 1 row and
-    slower from 4 rows (``benchmarks/results/kernel.md``; ``docs/kernels.md``). F32 and F16
-    weights ignore it.
+    slower from 4 rows (``benchmarks/results/kernel.md``; ``docs/kernels.md``). The other types
+    (F32, F16, BF16, Q5_0, Q5_1 and the K-quants) ignore it.
     """
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations={activations!r}: expected one of {list(ACTIVATIONS)}")

@@ -1,6 +1,6 @@
 // The float route's AVX2 code (AVX2, FMA, F16C), what x86 CPUs without AVX-512 run: each
-// block of 32 weights is dequantized into four ymm registers and multiplied there, never
-// written out. Up to kMaxN activation rows read the packed rows directly; more go through
+// group of 32 weights (a block, or an eighth of a K-quant block: DecodeGroup) is dequantized
+// into four ymm registers and multiplied there, never written out. Up to kMaxN activation rows read the packed rows directly; more go through
 // register tiles of decoded rows. Every route sums an output in one order, so a row's outputs
 // are the same bits alone as in a batch of any size (tests/test_packed.py pins it).
 
@@ -48,6 +48,85 @@ TFNB_AVX2 inline void DecodeBlock(const uint8_t* blk, __m256* w) {
   }
 }
 
+// 8 bytes at p widened to 32-bit lanes, shifted right by s, masked.
+TFNB_AVX2 inline __m256i Bits8(const uint8_t* p, int s, int mask) {
+  return _mm256_and_si256(_mm256_srl_epi32(Widen8(p), _mm_cvtsi32_si128(s)),
+                          _mm256_set1_epi32(mask));
+}
+
+// A Q5_0 or Q5_1 block (Q4_0 and Q4_1 with a word of fifth bits): bit j of qh is value j's.
+template <int QT>
+TFNB_AVX2 inline void DecodeQ5(const uint8_t* blk, __m256* w) {
+  constexpr bool kQ51 = QT == kQ5_1;
+  const float d = HalfToFloatF16C(blk);
+  const __m256 dv = _mm256_set1_ps(d);
+  const __m256 off = _mm256_set1_ps(kQ51 ? HalfToFloatF16C(blk + 2) : -16.f * d);
+  const __m256i qh = _mm256_set1_epi32(static_cast<int>(LoadU32(blk + (kQ51 ? 4 : 2))));
+  const uint8_t* qs = blk + (kQ51 ? 8 : 6);
+  const __m256i bytes0 = Widen8(qs), bytes8 = Widen8(qs + 8), low = _mm256_set1_epi32(0x0f);
+  const __m256i q[4] = {_mm256_and_si256(bytes0, low), _mm256_and_si256(bytes8, low),
+                        _mm256_srli_epi32(bytes0, 4), _mm256_srli_epi32(bytes8, 4)};
+  for (int k = 0; k < 4; ++k) {
+    const __m256i bit = _mm256_and_si256(
+        _mm256_srlv_epi32(qh, _mm256_setr_epi32(8 * k, 8 * k + 1, 8 * k + 2, 8 * k + 3,
+                                                8 * k + 4, 8 * k + 5, 8 * k + 6, 8 * k + 7)),
+        _mm256_set1_epi32(1));
+    const __m256i code = _mm256_or_si256(q[k], _mm256_slli_epi32(bit, 4));
+    w[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(code), dv, off);  // q d exact: one rounding
+  }
+}
+
+// Group g of a K-quant block (layouts in packed_common.h) as four vectors.
+template <int QT>
+TFNB_AVX2 inline void DecodeK(const uint8_t* blk, int g, __m256* w) {
+  if constexpr (QT == kQ6_K) {
+    const int h = g / 4, k = g % 4;
+    const uint8_t* ql = blk + 64 * h + 32 * (k % 2);
+    const uint8_t* qh = blk + 128 + 32 * h;
+    const float d = HalfToFloatF16C(blk + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192 + 2 * g);
+    const __m256 s0 = _mm256_set1_ps(d * sc[0]), s1 = _mm256_set1_ps(d * sc[1]);
+    for (int v = 0; v < 4; ++v) {
+      const __m256i code = _mm256_or_si256(Bits8(ql + 8 * v, 4 * (k / 2), 0x0f),
+                                           _mm256_slli_epi32(Bits8(qh + 8 * v, 2 * k, 3), 4));
+      w[v] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(code, _mm256_set1_epi32(32))),
+                           v < 2 ? s0 : s1);
+    }
+  } else {
+    int sc, m;
+    KScaleMin(blk + 4, g, &sc, &m);
+    const __m256 dsc = _mm256_set1_ps(HalfToFloatF16C(blk) * sc);
+    const __m256 off = _mm256_set1_ps(-(HalfToFloatF16C(blk + 2) * m));
+    const uint8_t* qs = blk + (QT == kQ5_K ? 48 : 16) + 32 * (g / 2);
+    for (int v = 0; v < 4; ++v) {
+      __m256i code = Bits8(qs + 8 * v, 4 * (g % 2), 0x0f);
+      if (QT == kQ5_K)
+        code = _mm256_or_si256(code, _mm256_slli_epi32(Bits8(blk + 16 + 8 * v, g, 1), 4));
+      w[v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(code), dsc, off);
+    }
+  }
+}
+
+// Group g (values 32 g to 32 g + 31) of a quantized row as four vectors.
+template <int QT>
+TFNB_AVX2 inline void DecodeGroup(const uint8_t* row, int64_t g, __m256* w) {
+  if constexpr (IsKQuant(QT))
+    DecodeK<QT>(GroupBlock<QT>(row, g), GroupInBlock<QT>(g), w);
+  else if constexpr (QT == kQ5_0 || QT == kQ5_1)
+    DecodeQ5<QT>(row + g * BlockBytes<QT>(), w);
+  else
+    DecodeBlock<QT>(row + g * BlockBytes<QT>(), w);
+}
+
+// 8 values of a float row from value j on.
+template <int QT>
+TFNB_AVX2 inline __m256 LoadFloats(const uint8_t* row, int64_t j) {
+  if constexpr (QT == kF32) return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + j);
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * j));
+  if constexpr (QT == kF16) return _mm256_cvtph_ps(h);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));  // BF16
+}
+
 // Dot products of R consecutive packed rows (1 or 2) with NN activation rows at once, so each
 // row's bytes are decoded once per call (up to kMaxN activation rows; more go through
 // TiledRowsAvx2). Every output has one accumulator, which takes its row's 8-value chunks in
@@ -63,13 +142,10 @@ TFNB_AVX2 void DotRowsAvx2(const uint8_t* row, int64_t row_bytes, int64_t cols, 
   __m256 acc[R][NN];
   for (int r = 0; r < R; ++r)
     for (int n = 0; n < NN; ++n) acc[r][n] = _mm256_setzero_ps();
-  if (QT == kF32 || QT == kF16) {
+  if constexpr (IsFloatType(QT)) {
     for (int64_t j = 0; j < cols; j += 8) {
       for (int r = 0; r < R; ++r) {
-        const uint8_t* rr = row + r * row_bytes;
-        const __m256 w = QT == kF32
-            ? _mm256_loadu_ps(reinterpret_cast<const float*>(rr) + j)
-            : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rr + 2 * j)));
+        const __m256 w = LoadFloats<QT>(row + r * row_bytes, j);
         for (int n = 0; n < NN; ++n)
           acc[r][n] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + n * cols + j), acc[r][n]);
       }
@@ -77,7 +153,7 @@ TFNB_AVX2 void DotRowsAvx2(const uint8_t* row, int64_t row_bytes, int64_t cols, 
   } else {
     for (int64_t b = 0; b < cols / kBlock; ++b) {
       __m256 w[R][4];
-      for (int r = 0; r < R; ++r) DecodeBlock<QT>(row + r * row_bytes + b * BlockBytes<QT>(), w[r]);
+      for (int r = 0; r < R; ++r) DecodeGroup<QT>(row + r * row_bytes, b, w[r]);
       for (int n = 0; n < NN; ++n) {
         const float* xb = x + n * cols + b * kBlock;
         for (int k = 0; k < 4; ++k) {
@@ -94,9 +170,9 @@ TFNB_AVX2 void DotRowsAvx2(const uint8_t* row, int64_t row_bytes, int64_t cols, 
 // A quantized row as floats in `out`.
 template <int QT>
 TFNB_AVX2 void DecodeRowAvx2(const uint8_t* row, int64_t cols, float* out) {
-  for (int64_t b = 0; b < cols / kBlock; ++b, row += BlockBytes<QT>(), out += kBlock) {
+  for (int64_t b = 0; b < cols / kBlock; ++b, out += kBlock) {
     __m256 w[4];
-    DecodeBlock<QT>(row, w);
+    DecodeGroup<QT>(row, b, w);
     for (int k = 0; k < 4; ++k) _mm256_storeu_ps(out + 8 * k, w[k]);
   }
 }
@@ -145,10 +221,10 @@ TFNB_AVX2 void TiledRowsAvx2(const uint8_t* w, int64_t row_bytes, int64_t cols, 
     PrefetchRow(w + m * row_bytes, mr * row_bytes, w + m1 * row_bytes);
     if (QT != kF32) {
       for (int i = 0; i < mr; ++i) {
-        if (QT == kF16) {
+        if constexpr (IsFloatType(QT)) {  // F16, BF16
           for (int64_t j = 0; j < cols; j += 8)
-            _mm256_storeu_ps(decoded.data() + i * cols + j, _mm256_cvtph_ps(_mm_loadu_si128(
-                reinterpret_cast<const __m128i*>(w + (m + i) * row_bytes + 2 * j))));
+            _mm256_storeu_ps(decoded.data() + i * cols + j,
+                             LoadFloats<QT>(w + (m + i) * row_bytes, j));
         } else {
           DecodeRowAvx2<QT>(w + (m + i) * row_bytes, cols, decoded.data() + i * cols);
         }
@@ -198,16 +274,13 @@ void RowsAvx2(const uint8_t* w, int64_t row_bytes, int64_t cols, const float* x,
   TiledRowsAvx2<QT>(w, row_bytes, cols, x, N, y, M, m0, m1);
 }
 
-template void RowsAvx2<kF32>(const uint8_t*, int64_t, int64_t, const float*, int64_t, float*,
+#define TFNB_INSTANCE(QT)                                                                    \
+  template void RowsAvx2<QT>(const uint8_t*, int64_t, int64_t, const float*, int64_t, float*, \
                              int64_t, int64_t, int64_t);
-template void RowsAvx2<kF16>(const uint8_t*, int64_t, int64_t, const float*, int64_t, float*,
-                             int64_t, int64_t, int64_t);
-template void RowsAvx2<kQ4_0>(const uint8_t*, int64_t, int64_t, const float*, int64_t, float*,
-                              int64_t, int64_t, int64_t);
-template void RowsAvx2<kQ4_1>(const uint8_t*, int64_t, int64_t, const float*, int64_t, float*,
-                              int64_t, int64_t, int64_t);
-template void RowsAvx2<kQ8_0>(const uint8_t*, int64_t, int64_t, const float*, int64_t, float*,
-                              int64_t, int64_t, int64_t);
+TFNB_INSTANCE(kF32) TFNB_INSTANCE(kF16) TFNB_INSTANCE(kBF16) TFNB_INSTANCE(kQ4_0)
+TFNB_INSTANCE(kQ4_1) TFNB_INSTANCE(kQ5_0) TFNB_INSTANCE(kQ5_1) TFNB_INSTANCE(kQ8_0)
+TFNB_INSTANCE(kQ4_K) TFNB_INSTANCE(kQ5_K) TFNB_INSTANCE(kQ6_K)
+#undef TFNB_INSTANCE
 
 }  // namespace packed
 }  // namespace tfnb

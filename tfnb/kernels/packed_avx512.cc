@@ -3,9 +3,10 @@
 // is read once per 8 activation rows; prompts go in groups of 8 over chunks of weight rows.
 // The weights are the same values as the AVX2 and portable code's, bit for bit (w = q * d +
 // offset), decoded in fewer instructions: a Q4 block's 16 possible values are computed once as
-// a table (one FMA) and its 32 codes look them up (vpermps). Quantized rows go two at a time,
-// each output summed in one order from 1 to 8 activation rows, so a decode step's row gets the
-// same bits alone as in a batch (but for a row range's odd last weight row: DotRowAvx512).
+// a table (one FMA) and its 32 codes look them up (vpermps); Q5 and Q4_K/Q5_K groups likewise,
+// Q6_K's codes are converted. Quantized rows go two at a time, each output summed in one order
+// from 1 to 8 activation rows, so a decode step's row gets the same bits alone as in a batch
+// (but for a row range's odd last weight row of Q4_0, Q4_1 or Q8_0: DotRowAvx512).
 
 #include <algorithm>
 #include <cstdint>
@@ -48,6 +49,84 @@ TFNB_AVX512 inline void DecodeBlock512(const uint8_t* blk, __m512* w) {
       _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), dv, off);
   w[0] = _mm512_permutexvar_ps(codes, table);  // vpermps reads the low 4 bits of an index
   w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table);
+}
+
+// A Q5_0 or Q5_1 block: a table of the 32 possible values (two FMAs), looked up by the low
+// nibbles and, where a value's fifth bit is set (a mask of qh), by the high half of the table.
+template <int QT>
+TFNB_AVX512 inline void DecodeQ5_512(const uint8_t* blk, __m512* w) {
+  constexpr bool kQ51 = QT == kQ5_1;
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const float d = HalfToFloatF16C(blk);
+  const __m512 dv = _mm512_set1_ps(d);
+  const __m512 off = _mm512_set1_ps(kQ51 ? HalfToFloatF16C(blk + 2) : -16.f * d);
+  const uint32_t qh = LoadU32(blk + (kQ51 ? 4 : 2));
+  const __m512i codes = _mm512_cvtepu8_epi32(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (kQ51 ? 8 : 6))));
+  const __m512 lo = _mm512_fmadd_ps(iota, dv, off);  // q d exact: one rounding, as elsewhere
+  const __m512 hi = _mm512_fmadd_ps(_mm512_add_ps(iota, _mm512_set1_ps(16.f)), dv, off);
+  const __m512i high = _mm512_srli_epi32(codes, 4);
+  w[0] = _mm512_mask_permutexvar_ps(_mm512_permutexvar_ps(codes, lo),
+                                    static_cast<__mmask16>(qh), codes, hi);
+  w[1] = _mm512_mask_permutexvar_ps(_mm512_permutexvar_ps(high, lo),
+                                    static_cast<__mmask16>(qh >> 16), high, hi);
+}
+
+// Group g of a K-quant block (layouts in packed_common.h) as two vectors. Q4_K and Q5_K look
+// their codes up in a table of 16 (or 32) values as Q4 and Q5 blocks do; Q6_K's 64 codes, two
+// scales a group, are converted and multiplied.
+TFNB_AVX512 inline __m512i Bytes16(const uint8_t* p) {  // 16 bytes as 32-bit lanes
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+template <int QT>
+TFNB_AVX512 inline void DecodeK512(const uint8_t* blk, int g, __m512* w) {
+  if constexpr (QT == kQ6_K) {
+    const int h = g / 4, k = g % 4;
+    const uint8_t* ql = blk + 64 * h + 32 * (k % 2);
+    const uint8_t* qh = blk + 128 + 32 * h;
+    const float d = HalfToFloatF16C(blk + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192 + 2 * g);
+    const __m128i ls = _mm_cvtsi32_si128(4 * (k / 2)), hs = _mm_cvtsi32_si128(2 * k);
+    for (int v = 0; v < 2; ++v) {
+      const __m512i low = _mm512_and_si512(_mm512_srl_epi32(Bytes16(ql + 16 * v), ls),
+                                           _mm512_set1_epi32(0x0f));
+      const __m512i top = _mm512_and_si512(_mm512_srl_epi32(Bytes16(qh + 16 * v), hs),
+                                           _mm512_set1_epi32(3));
+      const __m512i code = _mm512_sub_epi32(_mm512_or_si512(low, _mm512_slli_epi32(top, 4)),
+                                            _mm512_set1_epi32(32));
+      w[v] = _mm512_mul_ps(_mm512_cvtepi32_ps(code), _mm512_set1_ps(d * sc[v]));
+    }
+  } else {
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    int sc, m;
+    KScaleMin(blk + 4, g, &sc, &m);
+    const __m512 dsc = _mm512_set1_ps(HalfToFloatF16C(blk) * sc);
+    const __m512 off = _mm512_set1_ps(-(HalfToFloatF16C(blk + 2) * m));
+    const uint8_t* qs = blk + (QT == kQ5_K ? 48 : 16) + 32 * (g / 2);
+    const __m128i shift = _mm_cvtsi32_si128(4 * (g % 2));
+    const __m512 lo = _mm512_fmadd_ps(iota, dsc, off);  // vpermps reads an index's low 4 bits
+    for (int v = 0; v < 2; ++v) {
+      const __m512i codes = _mm512_srl_epi32(Bytes16(qs + 16 * v), shift);
+      w[v] = _mm512_permutexvar_ps(codes, lo);
+      if constexpr (QT == kQ5_K) {
+        const __m512 hi = _mm512_fmadd_ps(_mm512_add_ps(iota, _mm512_set1_ps(16.f)), dsc, off);
+        const __mmask16 fifth = _mm_test_epi8_mask(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 + 16 * v)),
+            _mm_set1_epi8(static_cast<char>(1 << g)));
+        w[v] = _mm512_mask_permutexvar_ps(w[v], fifth, codes, hi);
+      }
+    }
+  }
+}
+
+// Group g (values 32 g to 32 g + 31) of a row of the types without a scale prepass.
+template <int QT>
+TFNB_AVX512 inline void DecodeGroup512(const uint8_t* row, int64_t g, __m512* w) {
+  if constexpr (IsKQuant(QT))
+    DecodeK512<QT>(GroupBlock<QT>(row, g), GroupInBlock<QT>(g), w);
+  else
+    DecodeQ5_512<QT>(row + g * BlockBytes<QT>(), w);
 }
 
 // The scales of `n` (<= 64) consecutive blocks of a quantized row as float32, 16 blocks per
@@ -117,17 +196,23 @@ TFNB_AVX512 void DotRowAvx512(const uint8_t* row, int64_t cols, const float* x, 
   __m512 acc[NN][A];
   for (int n = 0; n < NN; ++n)
     for (int a = 0; a < A; ++a) acc[n][a] = _mm512_setzero_ps();
-  if constexpr (QT == kF32 || QT == kF16) {
+  if constexpr (IsFloatType(QT)) {
     for (int64_t j = 0; j < cols; j += 16) {
-      const __m512 w = QT == kF32
-          ? _mm512_loadu_ps(reinterpret_cast<const float*>(row) + j)
-          : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * j)));
+      __m512 w;
+      if constexpr (QT == kF32) {
+        w = _mm512_loadu_ps(reinterpret_cast<const float*>(row) + j);
+      } else {
+        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * j));
+        w = QT == kF16 ? _mm512_cvtph_ps(h)
+                       : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+      }
       const int a = static_cast<int>((j / 16) % A);
       for (int n = 0; n < NN; ++n)
         acc[n][a] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + n * cols + j), acc[n][a]);
     }
   } else {
-    static_assert(NN == 1, "quantized rows against 2 or more activation rows: DotRowsAvx512");
+    static_assert(NN == 1 && IsLegacyBlock(QT),
+                  "quantized rows against 2 or more activation rows: DotRowsAvx512");
     constexpr int kS = QT == kQ4_1 ? 2 : 1;  // scale floats per block (BlockScales512)
     alignas(64) float scales[64 * kS];
     const int64_t nb = cols / kBlock;
@@ -209,19 +294,23 @@ TFNB_AVX512 void DotRowsAvx512(const uint8_t* row, int64_t row_bytes, int64_t co
   // in a span of a few blocks whose masks are computed one by one (SmolLM2's 576 columns are
   // 16 blocks and 2), which cost more than the prepass saves there.
   constexpr int64_t kMinPrepass = 32;
+  constexpr int kStep = IsLegacyBlock(QT) ? BlockBytes<QT>() : 0;  // the others: by group
   auto blocks = [&](auto prepass) TFNB_AVX512 {
     for (int64_t b0 = 0; b0 < nb; b0 += kSpan) {
       const int64_t b1 = std::min(nb, b0 + kSpan);
-      for (int r = 0; r < MR && prepass; ++r)
-        BlockScales512<QT>(row + r * row_bytes + b0 * BlockBytes<QT>(), b1 - b0, scales[r]);
-      const uint8_t* blk = row + b0 * BlockBytes<QT>();
-      for (int64_t b = b0; b < b1; ++b, blk += BlockBytes<QT>()) {
+      if constexpr (decltype(prepass)::value)
+        for (int r = 0; r < MR; ++r)
+          BlockScales512<QT>(row + r * row_bytes + b0 * BlockBytes<QT>(), b1 - b0, scales[r]);
+      const uint8_t* blk = row + b0 * kStep;
+      for (int64_t b = b0; b < b1; ++b, blk += kStep) {
         __m512 w[MR][2];
         for (int r = 0; r < MR; ++r) {
           if constexpr (decltype(prepass)::value)
             DecodeBlockScaled512<QT>(blk + r * row_bytes, scales[r] + (b - b0) * kS, w[r]);
-          else
+          else if constexpr (IsLegacyBlock(QT))
             DecodeBlock512<QT>(blk + r * row_bytes, w[r]);
+          else
+            DecodeGroup512<QT>(row + r * row_bytes, b, w[r]);
         }
         for (int n = 0; n < NN; ++n) {
           const float* xb = x + n * cols + b * kBlock;
@@ -260,12 +349,14 @@ TFNB_AVX512 void DotRowsAvx512(const uint8_t* row, int64_t row_bytes, int64_t co
 template <int QT>
 inline void DotGroupAvx512(const uint8_t* row, int64_t row_bytes, int64_t cols, const float* x,
                            int g, int mr, float* out) {
-  if constexpr (QT != kF32 && QT != kF16) {
+  if constexpr (!IsFloatType(QT)) {
     if (g == 1) {  // one activation row: two weight rows at once, or DotRowAvx512 for one
       if (mr == 2)
         DotRowsAvx512<QT, 1, 2>(row, row_bytes, cols, x, out);
-      else
+      else if constexpr (IsLegacyBlock(QT))
         DotRowAvx512<QT, 1>(row, cols, x, out);
+      else  // the newer types: one chain, as among 2 to 8 rows
+        DotRowsAvx512<QT, 1, 1>(row, row_bytes, cols, x, out);
       return;
     }
     switch (g * 2 + mr - 1) {
@@ -296,7 +387,7 @@ constexpr int64_t kChunk512 = 32;
 template <int QT>
 void RowsAvx512(const uint8_t* w, int64_t row_bytes, int64_t cols, const float* x, int64_t N,
                 float* y, int64_t M, int64_t m0, int64_t m1) {
-  constexpr bool kQuantized = QT != kF32 && QT != kF16;
+  constexpr bool kQuantized = !IsFloatType(QT);
   float out[2 * kMaxN512];
   const int64_t chunk = N <= kMaxN512 ? m1 - m0 : kChunk512;
   for (int64_t c0 = m0; c0 < m1; c0 += chunk) {
@@ -316,16 +407,13 @@ void RowsAvx512(const uint8_t* w, int64_t row_bytes, int64_t cols, const float* 
   }
 }
 
-template void RowsAvx512<kF32>(const uint8_t*, int64_t, int64_t, const float*, int64_t, float*,
+#define TFNB_INSTANCE(QT)                                                                     \
+  template void RowsAvx512<QT>(const uint8_t*, int64_t, int64_t, const float*, int64_t, float*, \
                                int64_t, int64_t, int64_t);
-template void RowsAvx512<kF16>(const uint8_t*, int64_t, int64_t, const float*, int64_t, float*,
-                               int64_t, int64_t, int64_t);
-template void RowsAvx512<kQ4_0>(const uint8_t*, int64_t, int64_t, const float*, int64_t, float*,
-                                int64_t, int64_t, int64_t);
-template void RowsAvx512<kQ4_1>(const uint8_t*, int64_t, int64_t, const float*, int64_t, float*,
-                                int64_t, int64_t, int64_t);
-template void RowsAvx512<kQ8_0>(const uint8_t*, int64_t, int64_t, const float*, int64_t, float*,
-                                int64_t, int64_t, int64_t);
+TFNB_INSTANCE(kF32) TFNB_INSTANCE(kF16) TFNB_INSTANCE(kBF16) TFNB_INSTANCE(kQ4_0)
+TFNB_INSTANCE(kQ4_1) TFNB_INSTANCE(kQ5_0) TFNB_INSTANCE(kQ5_1) TFNB_INSTANCE(kQ8_0)
+TFNB_INSTANCE(kQ4_K) TFNB_INSTANCE(kQ5_K) TFNB_INSTANCE(kQ6_K)
+#undef TFNB_INSTANCE
 
 }  // namespace packed
 }  // namespace tfnb

@@ -79,7 +79,8 @@ void RowsQ8(int qtype, const uint8_t* w, int64_t row_bytes, const QuantizedRows&
   RowsQ8Portable(qtype, w, row_bytes, xq, y, M, m0, m1);
 }
 
-bool TakesInt8(int qtype) { return qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0; }
+// The int8 route's weight types; the others (float, Q5, K-quants) stay on the float route.
+bool TakesInt8(int qtype) { return IsLegacyBlock(qtype); }
 
 // y[:, m0:m1] for x [N, cols] and packed w [M, row_bytes]; y is [N, M]. The AVX-512 code takes
 // every block type and float rows of a multiple of 16 values, the AVX2 code rows of a multiple
@@ -87,24 +88,23 @@ bool TakesInt8(int qtype) { return qtype == kQ4_0 || qtype == kQ4_1 || qtype == 
 void Rows(int qtype, const uint8_t* w, int64_t row_bytes, int64_t cols, const float* x,
           int64_t N, float* y, int64_t M, int64_t m0, int64_t m1) {
 #ifdef TFNB_X86
-  if (HaveAvx512() && (TakesInt8(qtype) || cols % 16 == 0)) {
-    switch (qtype) {
-      case kF32: return RowsAvx512<kF32>(w, row_bytes, cols, x, N, y, M, m0, m1);
-      case kF16: return RowsAvx512<kF16>(w, row_bytes, cols, x, N, y, M, m0, m1);
-      case kQ4_0: return RowsAvx512<kQ4_0>(w, row_bytes, cols, x, N, y, M, m0, m1);
-      case kQ4_1: return RowsAvx512<kQ4_1>(w, row_bytes, cols, x, N, y, M, m0, m1);
-      case kQ8_0: return RowsAvx512<kQ8_0>(w, row_bytes, cols, x, N, y, M, m0, m1);
-    }
+#define TFNB_CASES(ROWS)                                                                \
+  switch (qtype) {                                                                      \
+    case kF32: return ROWS<kF32>(w, row_bytes, cols, x, N, y, M, m0, m1);               \
+    case kF16: return ROWS<kF16>(w, row_bytes, cols, x, N, y, M, m0, m1);               \
+    case kBF16: return ROWS<kBF16>(w, row_bytes, cols, x, N, y, M, m0, m1);             \
+    case kQ4_0: return ROWS<kQ4_0>(w, row_bytes, cols, x, N, y, M, m0, m1);             \
+    case kQ4_1: return ROWS<kQ4_1>(w, row_bytes, cols, x, N, y, M, m0, m1);             \
+    case kQ5_0: return ROWS<kQ5_0>(w, row_bytes, cols, x, N, y, M, m0, m1);             \
+    case kQ5_1: return ROWS<kQ5_1>(w, row_bytes, cols, x, N, y, M, m0, m1);             \
+    case kQ8_0: return ROWS<kQ8_0>(w, row_bytes, cols, x, N, y, M, m0, m1);             \
+    case kQ4_K: return ROWS<kQ4_K>(w, row_bytes, cols, x, N, y, M, m0, m1);             \
+    case kQ5_K: return ROWS<kQ5_K>(w, row_bytes, cols, x, N, y, M, m0, m1);             \
+    case kQ6_K: return ROWS<kQ6_K>(w, row_bytes, cols, x, N, y, M, m0, m1);             \
   }
-  if (HaveAvx2() && cols % 8 == 0) {
-    switch (qtype) {
-      case kF32: return RowsAvx2<kF32>(w, row_bytes, cols, x, N, y, M, m0, m1);
-      case kF16: return RowsAvx2<kF16>(w, row_bytes, cols, x, N, y, M, m0, m1);
-      case kQ4_0: return RowsAvx2<kQ4_0>(w, row_bytes, cols, x, N, y, M, m0, m1);
-      case kQ4_1: return RowsAvx2<kQ4_1>(w, row_bytes, cols, x, N, y, M, m0, m1);
-      case kQ8_0: return RowsAvx2<kQ8_0>(w, row_bytes, cols, x, N, y, M, m0, m1);
-    }
-  }
+  if (HaveAvx512() && (!IsFloatType(qtype) || cols % 16 == 0)) TFNB_CASES(RowsAvx512)
+  if (HaveAvx2() && cols % 8 == 0) TFNB_CASES(RowsAvx2)
+#undef TFNB_CASES
 #endif
   RowsPortable(qtype, w, row_bytes, cols, x, N, y, M, m0, m1);
 }
@@ -153,8 +153,9 @@ tensorflow::Status CheckPacked(OpKernelContext* ctx, const Tensor& w, int qtype,
   const int64_t row_bytes = RowBytes(qtype, cols);
   if (row_bytes < 0)
     return InvalidArgument("tfnb packed weights: qtype ", qtype, " with ", cols,
-                           " columns is not supported (expected F32 0, F16 1, Q4_0 2, Q4_1 3 or "
-                           "Q8_0 8, and a multiple of 32 columns for the block types)");
+                           " columns is not supported (expected F32 0, F16 1, Q4_0 2, Q4_1 3, "
+                           "Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14 or BF16 30, and a "
+                           "multiple of 32 columns for the block types, 256 for the K-quants)");
   if (w.dims() != 2 || w.dim_size(1) != row_bytes)
     return InvalidArgument("tfnb packed weights: shape ", w.shape().DebugString(),
                            " does not hold rows of ", cols, " values of qtype ", qtype,

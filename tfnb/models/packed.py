@@ -22,7 +22,8 @@ import numpy as np
 
 from tfnb.kernels import QTYPES, row_bytes
 
-__all__ = ["PackedTensor", "QTYPES", "QTYPE_NAMES", "fuse_rows", "weight_nbytes", "packed_like"]
+__all__ = ["PackedTensor", "QTYPES", "QTYPE_NAMES", "fuse_rows", "weight_nbytes", "packed_like",
+           "quantize_rows"]
 
 QTYPE_NAMES = {v: k for k, v in QTYPES.items()}
 
@@ -123,9 +124,6 @@ def packed_like(weights: dict, like: dict) -> dict:
     >>> out["a"], out["b"] is w["b"]
     (PackedTensor(Q4_0, shape=(64, 3), 108 bytes), True)
     """
-    from gguf import GGMLQuantizationType
-    from gguf.quants import quantize
-
     out = {}
     for name, w in weights.items():
         ref = like.get(name)
@@ -133,7 +131,99 @@ def packed_like(weights: dict, like: dict) -> dict:
             out[name] = w
             continue
         rows = np.ascontiguousarray(w.T if ref.transposed else w, np.float32)
-        data = np.ascontiguousarray(quantize(rows, GGMLQuantizationType[ref.qtype_name]))
-        out[name] = PackedTensor(data.view(np.uint8).reshape(rows.shape[0], -1), ref.qtype,
-                                 rows.shape[1], ref.transposed)
+        out[name] = PackedTensor(quantize_rows(rows, ref.qtype), ref.qtype, rows.shape[1],
+                                 ref.transposed)
     return out
+
+
+def quantize_rows(rows_MxC: np.ndarray, qtype: int) -> np.ndarray:
+    """float32 rows in ggml type ``qtype``: uint8 ``(M, row_bytes)``. ``gguf.quants.quantize``
+    where gguf has a quantizer; the K-quants (which it lacks) by a plain round to nearest over
+    each group's range (from its minimum or 0, whichever is lower), with no search for the best
+    scales: what stands in for a file's weights in timings and tests.
+
+    Examples
+    --------
+    >>> w = np.linspace(-1, 1, 512, dtype=np.float32).reshape(2, 256)
+    >>> q = quantize_rows(w, QTYPES["Q4_K"])
+    >>> back = PackedTensor(q, QTYPES["Q4_K"], 256, transposed=False).rows_float32()
+    >>> q.shape, bool(np.abs(back - w).max() < 1 / 30)   # half a step of 16 over [0, 1]
+    ((2, 144), True)
+    """
+    rows = np.ascontiguousarray(rows_MxC, np.float32)
+    name = QTYPE_NAMES[qtype]
+    if name in _K_QUANTIZERS:
+        blocks = _K_QUANTIZERS[name](rows.reshape(-1, 256))
+    else:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import quantize
+
+        blocks = np.ascontiguousarray(quantize(rows, GGMLQuantizationType[name]))
+    return blocks.view(np.uint8).reshape(rows.shape[0], row_bytes(qtype, rows.shape[1]))
+
+
+def _f16_up(x) -> np.ndarray:
+    """The least float16 at or above ``x`` (float32 again): a block's stored scale, which then
+    covers its groups."""
+    x = np.asarray(x, np.float32)
+    h = x.astype(np.float16)
+    return np.where(h.astype(np.float32) < x, np.nextafter(h, np.float16(np.inf)),
+                    h).astype(np.float32)
+
+
+def _divide(x, d):
+    return np.divide(x, d, out=np.zeros(np.broadcast_shapes(x.shape, d.shape), np.float32),
+                     where=d != 0)
+
+
+def _k_scales(x_Bx8x32, levels: int):
+    """Q4_K/Q5_K: each group's ``q`` in ``[0, levels]``, and the block's ``d, dmin`` (float16
+    bytes) and 12 scale bytes: 6-bit scales and mins per group (``value = q d sc - dmin m``).
+    Mins and scales round up, so every value lies within its group's codes, half a step from
+    the nearest."""
+    mins = -np.minimum(x_Bx8x32.min(-1), 0)
+    dmin = _f16_up(mins.max(-1, keepdims=True) / 63)
+    m = np.ceil(_divide(mins, dmin)).astype(np.uint8)
+    off = (dmin * m)[..., None]
+    scale = (x_Bx8x32.max(-1) + off[..., 0]) / levels
+    d = _f16_up(scale.max(-1, keepdims=True) / 63)
+    sc = np.ceil(_divide(scale, d)).astype(np.uint8)
+    q = np.clip(np.rint(_divide(x_Bx8x32 + off, (d * sc)[..., None])), 0, levels)
+    packed = np.concatenate([sc[:, :4] | (sc[:, 4:] >> 4) << 6, m[:, :4] | (m[:, 4:] >> 4) << 6,
+                             (sc[:, 4:] & 15) | (m[:, 4:] & 15) << 4], axis=1)
+    head = np.concatenate([d.astype(np.float16).view(np.uint8),
+                           dmin.astype(np.float16).view(np.uint8), packed], axis=1)
+    return q.astype(np.uint8), head
+
+
+def _nibbles(q_Bx8x32):
+    """Bytes 32 c + j of groups 2c (low nibble) and 2c + 1 (high)."""
+    q = q_Bx8x32 & 15
+    return (q[:, 0::2] | q[:, 1::2] << 4).reshape(len(q), 128)
+
+
+def _quantize_q4_k(x_Bx256):
+    q, head = _k_scales(x_Bx256.reshape(-1, 8, 32), 15)
+    return np.concatenate([head, _nibbles(q)], axis=1)
+
+
+def _quantize_q5_k(x_Bx256):
+    q, head = _k_scales(x_Bx256.reshape(-1, 8, 32), 31)
+    qh = ((q >> 4) << np.arange(8, dtype=np.uint8)[:, None]).sum(1, dtype=np.uint8)  # bit g
+    return np.concatenate([head, qh, _nibbles(q)], axis=1)
+
+
+def _quantize_q6_k(x_Bx256):
+    x = x_Bx256.reshape(-1, 16, 16)
+    scale = np.abs(x).max(-1) / 31
+    d = _f16_up(scale.max(-1, keepdims=True) / 127)
+    sc = np.ceil(_divide(scale, d)).astype(np.int8)
+    q = np.clip(np.rint(_divide(x, (d * sc)[..., None])), -32, 31).astype(np.int16) + 32
+    q = q.astype(np.uint8).reshape(-1, 2, 4, 32)  # half, quarter of 128 values, 32 values
+    ql = (q[:, :, 0:2] & 15) | (q[:, :, 2:4] & 15) << 4  # bytes 32 k + j, k = 0, 1
+    qh = (q >> 4 << np.array([0, 2, 4, 6], np.uint8)[:, None]).sum(2, dtype=np.uint8)
+    return np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8),
+                           d.astype(np.float16).view(np.uint8)], axis=1)
+
+
+_K_QUANTIZERS = {"Q4_K": _quantize_q4_k, "Q5_K": _quantize_q5_k, "Q6_K": _quantize_q6_k}
