@@ -13,13 +13,9 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from tfnb.errors import GenerateStalled
 from tfnb.runtime.requests import bucket
-
-if TYPE_CHECKING:
-    from tfnb.runtime.lane import Lane
 
 __all__ = ["Seq", "Ticket", "RECENT", "SAMPLING_MODES", "WATCH_EVERY_S"]
 
@@ -88,7 +84,7 @@ class Ticket:
         self.first_token: float | None = None
         self.ended: float | None = None
         self.outcome: str | None = None
-        self.lane: Lane | None = None
+        self.lane = None  # the tfnb.runtime.lane.Lane it is queued on
 
     @property
     def made(self) -> int:
