@@ -17,6 +17,13 @@ projection columns already in Hugging Face's rotary layout (halves, not interlea
     lm_head                    (d, vocab)   only when ``tie_embeddings`` is False
     blocks.{i}.bq, bk, bv      (n_heads * hd,), (n_kv_heads * hd,) x 2   only with ``qkv_bias``
                                (Qwen2)
+    blocks.{i}.q_norm, k_norm  (hd,) each: RMSNorm gains of every q and k head before rotary;
+                               only with ``qk_norm`` (Qwen3)
+
+``hd`` is ``head_dim``: ``hidden_size // n_heads`` unless the model sets it (Qwen3-0.6B: hidden
+1024, 16 heads of 128), so the attention's width ``n_heads * hd`` may differ from ``d``.
+Rotary embeddings turn frequency ``i`` (of ``hd / 2``) by ``pos / rope_scaling_factor *
+rope_theta ** (-2i / hd) / rope_freq_factors[i]``: Llama 3's ``rope_freqs`` and linear scaling.
 
 Transformers has no TF Llama class; ``TFMistralForCausalLM`` with ``sliding_window=None`` computes
 the same function, so it is the reference implementation here.
@@ -24,7 +31,7 @@ the same function, so it is the reference implementation here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -68,28 +75,49 @@ class LlamaConfig:
     bos_id: int | None = None
     eos_ids: tuple[int, ...] = ()
     qkv_bias: bool = False  # Qwen2: the q, k and v projections add a bias
+    # Width of one attention head; None: hidden_size // n_heads (set to that on creation)
+    head_dim: int | None = None
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k before rotary
+    rope_scaling_factor: float = 1.0  # linear rope scaling: positions divided by it
+    # Llama 3's rope_freqs: rotary frequency i divided by factor i (head_dim / 2 of them)
+    rope_freq_factors: tuple[float, ...] | None = field(default=None, repr=False)
 
     def __post_init__(self):
-        for field in ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads",
-                      "ffn_size", "max_context"):
-            value = getattr(self, field)
+        for name in ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads",
+                     "ffn_size", "max_context"):
+            value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-                raise ModelError(f"LlamaConfig.{field}={value!r}: expected a positive integer")
-        if self.hidden_size % self.n_heads:
-            raise ModelError(f"LlamaConfig.hidden_size={self.hidden_size} is not divisible by "
-                             f"n_heads={self.n_heads}: expected a multiple")
+                raise ModelError(f"LlamaConfig.{name}={value!r}: expected a positive integer")
+        if self.head_dim is None:
+            if self.hidden_size % self.n_heads:
+                raise ModelError(f"LlamaConfig.hidden_size={self.hidden_size} is not divisible "
+                                 f"by n_heads={self.n_heads}: expected a multiple, or head_dim "
+                                 "given")
+            object.__setattr__(self, "head_dim", self.hidden_size // self.n_heads)
+        value = self.head_dim
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+            raise ModelError(f"LlamaConfig.head_dim={value!r}: expected a positive integer")
+        object.__setattr__(self, "head_dim", int(value))
         if self.n_heads % self.n_kv_heads:
             raise ModelError(f"LlamaConfig.n_kv_heads={self.n_kv_heads} does not divide "
                              f"n_heads={self.n_heads}: expected a divisor")
-        if (self.hidden_size // self.n_heads) % 2:
-            raise ModelError(f"LlamaConfig head_dim={self.hidden_size // self.n_heads} is odd: "
+        if self.head_dim % 2:
+            raise ModelError(f"LlamaConfig head_dim={self.head_dim} is odd: "
                              "rotary embeddings need an even head_dim")
+        if isinstance(self.rope_scaling_factor, bool) or not (
+                isinstance(self.rope_scaling_factor, (int, float, np.number))
+                and self.rope_scaling_factor > 0):
+            raise ModelError(f"LlamaConfig.rope_scaling_factor={self.rope_scaling_factor!r}: "
+                             "expected a positive number")
+        object.__setattr__(self, "rope_scaling_factor", float(self.rope_scaling_factor))
+        if self.rope_freq_factors is not None:
+            factors = tuple(float(f) for f in np.asarray(self.rope_freq_factors).reshape(-1))
+            if len(factors) != self.head_dim // 2 or not all(f > 0 for f in factors):
+                raise ModelError(f"LlamaConfig.rope_freq_factors has {len(factors)} values "
+                                 f"(min {min(factors, default=0):g}): expected head_dim / 2 = "
+                                 f"{self.head_dim // 2} positive numbers")
+            object.__setattr__(self, "rope_freq_factors", factors)
         object.__setattr__(self, "eos_ids", tuple(int(i) for i in self.eos_ids))
-
-    @property
-    def head_dim(self) -> int:
-        """Width of one attention head, ``hidden_size // n_heads``."""
-        return self.hidden_size // self.n_heads
 
 
 def tiny_config(**overrides) -> LlamaConfig:
@@ -109,7 +137,8 @@ def tiny_config(**overrides) -> LlamaConfig:
     """
     fields = dict(vocab_size=96, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2,
                   ffn_size=128, rope_theta=10000.0, norm_eps=1e-5, max_context=256,
-                  tie_embeddings=True, bos_id=1, eos_ids=(2,), qkv_bias=False)
+                  tie_embeddings=True, bos_id=1, eos_ids=(2,), qkv_bias=False, head_dim=None,
+                  qk_norm=False, rope_scaling_factor=1.0, rope_freq_factors=None)
     unknown = set(overrides) - set(fields)
     if unknown:
         raise ModelError(f"tiny_config got unknown field(s) {sorted(unknown)}: "
@@ -137,6 +166,7 @@ def weight_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
             p + "wv": (d, config.n_kv_heads * hd),
             **({p + "bq": (config.n_heads * hd,), p + "bk": (config.n_kv_heads * hd,),
                 p + "bv": (config.n_kv_heads * hd,)} if config.qkv_bias else {}),
+            **({p + "q_norm": (hd,), p + "k_norm": (hd,)} if config.qk_norm else {}),
             p + "wo": (config.n_heads * hd, d),
             p + "mlp_norm": (d,),
             p + "w_gate": (d, ffn),
@@ -318,6 +348,15 @@ def to_hf(config: LlamaConfig, weights: dict[str, np.ndarray]):
     if config.qkv_bias:
         raise ModelError("to_hf() builds a TFMistral, which has no q/k/v biases: a qkv_bias "
                          "(Qwen2) model runs in tfnb only")
+    unlike = [what for what, differs in (
+        ("per-head q/k norms (qk_norm)", config.qk_norm),
+        ("rope scaling", config.rope_scaling_factor != 1.0),
+        ("rope frequency factors", config.rope_freq_factors is not None),
+        ("head width other than hidden_size / n_heads",
+         config.head_dim * config.n_heads != config.hidden_size)) if differs]
+    if unlike:
+        raise ModelError(f"to_hf() builds a TFMistral, which has no {', '.join(unlike)}: this "
+                         "model runs in tfnb only")
     expected = weight_shapes(config)
     missing = sorted(set(expected) - set(weights))
     if missing:

@@ -189,7 +189,7 @@ def load_model(name_or_path, *, weights: str | None = None, progress=True) -> Mo
         others stay opaque, ``arch="hf"``); or a ``.keras`` file (``arch="keras"``).
     weights : {"packed", "float32"}, optional
         How a GGUF file's weights are kept: ``"packed"`` (the default for GGUF) keeps each
-        matrix in the file's blocks (F32, F16, Q4_0, Q4_1, Q8_0), read on the workers by
+        matrix in the file's blocks (every type in ``tfnb.kernels.QTYPES``), read on the workers by
         tfnb's packed-weight ops; ``"float32"`` dequantizes everything. HF and Keras models are
         float32 only.
     progress : bool or callable

@@ -10,10 +10,11 @@ tokens. A token in slot ``s`` has rotary position ``s - pad_B[b]`` and may atten
 every function here compiles under XLA with static shapes.
 
 Block parameters (``BlockParams``) use fused matrices: ``wqkv`` = ``[wq | wk | wv]`` (D, (H+2K)E)
-and ``w_gate_up`` = ``[w_gate | w_up]`` (D, 2F), so one block step is four matmuls. A matrix is
-a float32 (in, out) tensor, or a ``Packed`` one (GGUF blocks, one row per output channel) that
-``dense`` multiplies with tfnb's packed-weight op (:mod:`tfnb.kernels`), which runs as an XLA
-custom call inside the compiled segments like every other op here.
+and ``w_gate_up`` = ``[w_gate | w_up]`` (D, 2F), so one block step is four matmuls; ``H E`` may
+differ from ``D`` (a model may set its head width: Qwen3). A matrix is a float32 (in, out)
+tensor, or a ``Packed`` one (GGUF blocks, one row per output channel) that ``dense`` multiplies
+with tfnb's packed-weight op (:mod:`tfnb.kernels`), which runs as an XLA custom call inside the
+compiled segments like every other op here.
 
 Examples
 --------
@@ -78,6 +79,8 @@ class BlockParams(NamedTuple):
     w_gate_up: tf.Tensor  # (D, 2F)
     w_down: tf.Tensor     # (F, D)
     bqkv: tf.Tensor | None = None  # ((H + 2K) E,): Qwen2's q/k/v biases
+    q_norm: tf.Tensor | None = None  # (E,): Qwen3's RMSNorm gain of each q head, before rotary
+    k_norm: tf.Tensor | None = None  # (E,): the same for each k head
 
 
 def fuse_block(weights: dict, i: int) -> dict[str, np.ndarray]:
@@ -92,8 +95,11 @@ def fuse_block(weights: dict, i: int) -> dict[str, np.ndarray]:
     p = f"blocks.{i}."
     bias = {"bqkv": np.concatenate([weights[p + "bq"], weights[p + "bk"], weights[p + "bv"]])
             } if p + "bq" in weights else {}
+    qk_norm = {"q_norm": weights[p + "q_norm"], "k_norm": weights[p + "k_norm"]
+               } if p + "q_norm" in weights else {}
     return {
         **bias,
+        **qk_norm,
         "attn_norm": weights[p + "attn_norm"],
         "wqkv": fuse_rows([weights[p + "wq"], weights[p + "wk"], weights[p + "wv"]]),
         "wo": weights[p + "wo"],
@@ -158,10 +164,18 @@ def positions(pad_B, first_slot, T):
 
 
 @_scoped("rope")
-def rope_tables(pos_BxT, head_dim, theta):
+def rope_tables(pos_BxT, head_dim, theta, scale=1.0, factors_E2=None):
     """cos and sin tables (B, T, E) for HF's rotate-half rotary layout (both halves of a head
-    turn by the same angles, so each is computed once)."""
+    turn by the same angles, so each is computed once).
+
+    Frequency ``i`` is ``theta ** (-2i / E) / factors_E2[i]``, and positions are divided by
+    ``scale``: llama.cpp's ``freq_factors`` (Llama 3's ``rope_freqs``) and linear scaling
+    (``freq_scale = 1 / scale``). ``factors_E2`` (E/2 floats, or None) becomes a constant."""
     inv_freq_E2 = 1.0 / (theta ** (tf.range(0, head_dim, 2, dtype=tf.float32) / head_dim))
+    if factors_E2 is not None:
+        inv_freq_E2 = inv_freq_E2 / tf.constant(factors_E2, tf.float32)
+    if scale != 1.0:
+        inv_freq_E2 = inv_freq_E2 * (1.0 / scale)
     angle_BxTxE2 = tf.cast(pos_BxT, tf.float32)[..., None] * inv_freq_E2
     cos_BxTxE2, sin_BxTxE2 = tf.cos(angle_BxTxE2), tf.sin(angle_BxTxE2)
     return (tf.concat([cos_BxTxE2, cos_BxTxE2], axis=-1),
@@ -172,7 +186,8 @@ def rope_for(pad_B, first_slot, T, cfg):
     """The rotary tables of ``T`` slots from ``first_slot`` (:func:`positions`), which every
     block of a call shares. A call makes them once and hands them to each block: made inside
     each block, XLA would compute them again for every block (docs/runtime.md)."""
-    return rope_tables(positions(pad_B, first_slot, T), cfg.head_dim, cfg.rope_theta)
+    return rope_tables(positions(pad_B, first_slot, T), cfg.head_dim, cfg.rope_theta,
+                       cfg.rope_scaling_factor, cfg.rope_freq_factors)
 
 
 @_scoped("rope")
@@ -220,17 +235,22 @@ def _write_cache(cache_BxKxSxE, new_BxKxTxE, first_slot, first_row=0) -> None:
     cache_BxKxSxE.assign(xla.dynamic_update_slice(cache_BxKxSxE, new_BxKxTxE, at))
 
 
-def _rope_qkv(qkv_BxTxC, pad_B, first_slot, cfg, bqkv_C=None, rope=None):
+def _rope_qkv(qkv_BxTxC, p: BlockParams, pad_B, first_slot, cfg, rope=None):
     """The fused projection (plus its bias) split into rotated q (B,T,H,E) and k, v as
-    (B,K,T,E); ``rope`` is :func:`rope_for`'s tables of these slots, made here if None."""
-    if bqkv_C is not None:
-        qkv_BxTxC = qkv_BxTxC + bqkv_C
+    (B,K,T,E); with ``p.q_norm`` (Qwen3) each q and k head is RMS-normed first. ``rope`` is
+    :func:`rope_for`'s tables of these slots, made here if None."""
+    if p.bqkv is not None:
+        qkv_BxTxC = qkv_BxTxC + p.bqkv
     B, T, _ = qkv_BxTxC.shape
     H, K, E = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     q, k, v = tf.split(qkv_BxTxC, [H * E, K * E, K * E], axis=-1)
+    q_BxTxHxE, k_BxTxKxE = tf.reshape(q, [B, T, H, E]), tf.reshape(k, [B, T, K, E])
+    if p.q_norm is not None:
+        q_BxTxHxE = rms_norm(q_BxTxHxE, p.q_norm, cfg.norm_eps)
+        k_BxTxKxE = rms_norm(k_BxTxKxE, p.k_norm, cfg.norm_eps)
     cos_BxTxE, sin_BxTxE = rope if rope is not None else rope_for(pad_B, first_slot, T, cfg)
-    q_BxTxHxE = apply_rope(tf.reshape(q, [B, T, H, E]), cos_BxTxE, sin_BxTxE)
-    k_BxTxKxE = apply_rope(tf.reshape(k, [B, T, K, E]), cos_BxTxE, sin_BxTxE)
+    q_BxTxHxE = apply_rope(q_BxTxHxE, cos_BxTxE, sin_BxTxE)
+    k_BxTxKxE = apply_rope(k_BxTxKxE, cos_BxTxE, sin_BxTxE)
     k_BxKxTxE = tf.transpose(k_BxTxKxE, [0, 2, 1, 3])
     v_BxKxTxE = tf.transpose(tf.reshape(v, [B, T, K, E]), [0, 2, 1, 3])
     return q_BxTxHxE, k_BxKxTxE, v_BxKxTxE
@@ -276,7 +296,7 @@ def block_prefill(x_BxTxD, p: BlockParams, cache_k, cache_v, pad_B, cfg, first_s
     # the padding's queries see no key: their rows are read by no one, so they may be zeros
     read_BxTx1 = _read_rows(p, tf.range(x_BxTxD.shape[1])[None, :] >= pad_B[:, None])
     h_BxTxD = _zero_unread(rms_norm(x_BxTxD, p.attn_norm, cfg.norm_eps), read_BxTx1)
-    q_BxTxHxE, k_BxKxTxE, v_BxKxTxE = _rope_qkv(dense(h_BxTxD, p.wqkv), pad_B, 0, cfg, p.bqkv,
+    q_BxTxHxE, k_BxKxTxE, v_BxKxTxE = _rope_qkv(dense(h_BxTxD, p.wqkv), p, pad_B, 0, cfg,
                                                 rope)
     _write_cache(cache_k, k_BxKxTxE, first_slot, first_row)
     _write_cache(cache_v, v_BxKxTxE, first_slot, first_row)
@@ -296,8 +316,8 @@ def block_decode(x_Bx1xD, p: BlockParams, cache_k, cache_v, pad_B, slot, cfg, wi
     # a free row (pad past the slot: it sees nothing) is read by no one
     read_Bx1x1 = _read_rows(p, (pad_B <= slot)[:, None])
     h_Bx1xD = _zero_unread(rms_norm(x_Bx1xD, p.attn_norm, cfg.norm_eps), read_Bx1x1)
-    q_Bx1xHxE, k_BxKx1xE, v_BxKx1xE = _rope_qkv(dense(h_Bx1xD, p.wqkv), pad_B, slot, cfg,
-                                                    p.bqkv, rope)
+    q_Bx1xHxE, k_BxKx1xE, v_BxKx1xE = _rope_qkv(dense(h_Bx1xD, p.wqkv), p, pad_B, slot, cfg,
+                                                    rope)
     _write_cache(cache_k, k_BxKx1xE, slot)
     _write_cache(cache_v, v_BxKx1xE, slot)
     B, S = x_Bx1xD.shape[0], window or cache_k.shape[2]
