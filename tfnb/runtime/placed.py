@@ -79,12 +79,8 @@ def place_llama(model, assignment, *, timeout: float | None = 60.0,
         XLA computation, the loop inside it; else a graph loop on the device launches the
         compiled step once per step, each launch passing every weight and cache variable.
         Either compiles once per batch bucket, window and sampling mode (prompts prefill in
-        functions of their own, and a chunk's length is an argument). Probed on the Zen 4
-        machine, SmolLM2 on one worker pinned to one core, ms per step (alternated 3 times):
-        10.0-10.2 against 10.9-11.1 at 1 row, 18.0-18.9 against 19.0-19.4 at 4 rows, 30.0-30.2
-        against 30.9-31.6 at 8. Served, 8 clients, one worker and two one-core replicas
-        alternated twice: 163.9-168.2 and 286.0-288.8 tokens/s against 157.2-161.4 and
-        267.6-274.5; the shapes those rounds reach compiled in 63-67 s against 61-62. A chain
+        functions of their own, and a chunk's length is an argument). The loop inside XLA is
+        the faster of the two by a few percent per step (docs/runtime.md). A chain
         over several devices runs unrolled chunks instead
         (:func:`tfnb.runtime.graphs.unrolled_decode`).
 
