@@ -341,9 +341,9 @@ def _bad(tmp_path, variant, *, meta=None, add=None, drop=(), arch=None, hp=None)
 
 
 @pytest.mark.parametrize("case, kwargs, message", [
-    ("architecture", dict(arch="gemma2"),
-     r"architecture 'gemma2' in '.*bad\.gguf' is not supported: expected one of \['llama', "
-     r"'qwen2', 'qwen3', 'phi3'\]"),
+    ("architecture", dict(arch="gemma"),
+     r"architecture 'gemma' in '.*bad\.gguf' is not supported: expected one of \['llama', "
+     r"'qwen2', 'qwen3', 'phi3', 'gemma2', 'gemma3'\]"),
     ("yarn", dict(variant="qwen3", meta={"rope.scaling.type": "yarn"}),
      r"'qwen3\.rope\.scaling\.type'='yarn' in '.*bad\.gguf' is not supported: expected one of "
      r"\['none', 'linear'\]"),

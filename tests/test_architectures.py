@@ -114,5 +114,5 @@ def test_an_unsupported_architecture_keeps_its_one_clear_error(tmp_path):
     cfg = decoder.tiny_config()
     write_llama_gguf(tmp_path / "g.gguf", cfg, decoder.random_weights(cfg), arch="gemma")
     with pytest.raises(ModelError, match=r"'gemma'.*expected one of \['llama', 'qwen2', "
-                                         r"'qwen3', 'phi3'\]"):
+                                         r"'qwen3', 'phi3', 'gemma2', 'gemma3'\]"):
         tfnb.load_model(tmp_path / "g.gguf", progress=False)

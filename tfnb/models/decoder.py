@@ -18,7 +18,10 @@ projection columns already in Hugging Face's rotary layout (halves, not interlea
     blocks.{i}.bq, bk, bv      (n_heads * hd,), (n_kv_heads * hd,) x 2   only with ``qkv_bias``
                                (Qwen2)
     blocks.{i}.q_norm, k_norm  (hd,) each: RMSNorm gains of every q and k head before rotary;
-                               only with ``qk_norm`` (Qwen3)
+                               only with ``qk_norm`` (Qwen3, Gemma 3)
+    blocks.{i}.post_attn_norm, post_mlp_norm  (d,) each: RMSNorm gains of the attention's and
+                               the MLP's outputs before their residual adds; only with
+                               ``post_norms`` (Gemma 2 and 3)
 
 ``hd`` is ``head_dim``: ``hidden_size // n_heads`` unless the model sets it (Qwen3-0.6B: hidden
 1024, 16 heads of 128), so the attention's width ``n_heads * hd`` may differ from ``d``.
@@ -81,6 +84,25 @@ class LlamaConfig:
     rope_scaling_factor: float = 1.0  # linear rope scaling: positions divided by it
     # Llama 3's rope_freqs: rotary frequency i divided by factor i (head_dim / 2 of them)
     rope_freq_factors: tuple[float, ...] | None = field(default=None, repr=False)
+    # Gemma 2 / 3 (all off by default): token embeddings times ``embed_scale``; the MLP's gate
+    # through ``mlp_act`` ("silu" or "gelu_tanh"); RMSNorms of the attention and MLP outputs
+    # (``post_norms``); scores ``q.k * attn_scale`` (None: head_dim ** -0.5), soft-capped as
+    # ``c * tanh(s / c)`` with ``c = attn_softcap`` (0: off), and the logits likewise with
+    # ``final_softcap``.
+    embed_scale: float = 1.0
+    mlp_act: str = "silu"
+    post_norms: bool = False
+    attn_scale: float | None = None
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    # Sliding-window layers (llama.cpp's set_swa_pattern): with ``sliding_window`` W > 0, layer
+    # i slides when ``sliding_pattern`` is 0 or i % pattern < pattern - 1 (Gemma 2: 2, every
+    # other layer; Gemma 3: 6, five in six): its query at position p sees keys at p - W < p' <=
+    # p. They rotate with ``local_rope_theta`` and no rope scaling when it is set (Gemma 3),
+    # else as the others. A pattern, not a list, so a config with fewer layers stays valid.
+    sliding_window: int = 0
+    sliding_pattern: int = 0
+    local_rope_theta: float | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads",
@@ -118,6 +140,47 @@ class LlamaConfig:
                                  f"{self.head_dim // 2} positive numbers")
             object.__setattr__(self, "rope_freq_factors", factors)
         object.__setattr__(self, "eos_ids", tuple(int(i) for i in self.eos_ids))
+        if self.mlp_act not in MLP_ACTIVATIONS:
+            raise ModelError(f"LlamaConfig.mlp_act={self.mlp_act!r}: expected one of "
+                             f"{list(MLP_ACTIVATIONS)}")
+        for name in ("embed_scale", "attn_scale", "attn_softcap", "final_softcap",
+                     "local_rope_theta"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or \
+                    value < 0 or (value == 0 and name in ("embed_scale", "attn_scale",
+                                                          "local_rope_theta")):
+                raise ModelError(f"LlamaConfig.{name}={value!r}: expected a positive number"
+                                 + (" (or 0: off)" if "softcap" in name else ""))
+            object.__setattr__(self, name, float(value))
+        for name in ("sliding_window", "sliding_pattern"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
+                raise ModelError(f"LlamaConfig.{name}={value!r}: expected an integer >= 0")
+            object.__setattr__(self, name, int(value))
+
+    def window(self, i: int) -> int:
+        """Layer ``i``'s sliding window in tokens (0: it sees every earlier token).
+
+        Examples
+        --------
+        >>> cfg = tiny_config(n_layers=3, sliding_window=8, sliding_pattern=2)
+        >>> [cfg.window(i) for i in range(3)]
+        [8, 0, 8]
+        """
+        n = self.sliding_pattern
+        return self.sliding_window if n == 0 or i % n < n - 1 else 0
+
+    def rope_of(self, i: int) -> tuple[float, float]:
+        """Layer ``i``'s rotary ``(theta, scaling factor)``: a sliding-window layer's own base
+        and no scaling when ``local_rope_theta`` is set (Gemma 3), else the model's."""
+        if self.local_rope_theta is not None and self.window(i):
+            return self.local_rope_theta, 1.0
+        return self.rope_theta, self.rope_scaling_factor
+
+
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 def tiny_config(**overrides) -> LlamaConfig:
@@ -138,7 +201,10 @@ def tiny_config(**overrides) -> LlamaConfig:
     fields = dict(vocab_size=96, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2,
                   ffn_size=128, rope_theta=10000.0, norm_eps=1e-5, max_context=256,
                   tie_embeddings=True, bos_id=1, eos_ids=(2,), qkv_bias=False, head_dim=None,
-                  qk_norm=False, rope_scaling_factor=1.0, rope_freq_factors=None)
+                  qk_norm=False, rope_scaling_factor=1.0, rope_freq_factors=None,
+                  embed_scale=1.0, mlp_act="silu", post_norms=False, attn_scale=None,
+                  attn_softcap=0.0, final_softcap=0.0, sliding_window=0, sliding_pattern=0,
+                  local_rope_theta=None)
     unknown = set(overrides) - set(fields)
     if unknown:
         raise ModelError(f"tiny_config got unknown field(s) {sorted(unknown)}: "
@@ -172,6 +238,8 @@ def weight_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
             p + "w_gate": (d, ffn),
             p + "w_up": (d, ffn),
             p + "w_down": (ffn, d),
+            **({p + "post_attn_norm": (d,), p + "post_mlp_norm": (d,)} if config.post_norms
+               else {}),
         })
     shapes["final_norm"] = (d,)
     if not config.tie_embeddings:
@@ -352,6 +420,10 @@ def to_hf(config: LlamaConfig, weights: dict[str, np.ndarray]):
         ("per-head q/k norms (qk_norm)", config.qk_norm),
         ("rope scaling", config.rope_scaling_factor != 1.0),
         ("rope frequency factors", config.rope_freq_factors is not None),
+        ("Gemma's embedding scale, GELU MLP, post-norms, attention scale or soft-capping",
+         (config.embed_scale, config.mlp_act, config.post_norms, config.attn_scale,
+          config.attn_softcap, config.final_softcap) != (1.0, "silu", False, None, 0.0, 0.0)),
+        ("sliding-window layers", config.sliding_window > 0),
         ("head width other than hidden_size / n_heads",
          config.head_dim * config.n_heads != config.hidden_size)) if differs]
     if unlike:

@@ -1,5 +1,5 @@
-"""Read a GGUF decoder (``llama``, ``qwen2``, ``qwen3``, ``phi3``) into canonical weights and a
-tokenizer.
+"""Read a GGUF decoder (``llama``, ``qwen2``, ``qwen3``, ``phi3``, ``gemma2``, ``gemma3``) into
+canonical weights and a tokenizer.
 
 Weights come packed (``PackedTensor``: the file's blocks, for the types in ``QTYPES``) or as
 float32 arrays (``packed=False``, and any other type, which is dequantized: one
@@ -15,6 +15,19 @@ The architectures, as llama.cpp defines them, on one canonical layout (``models/
 - ``phi3``: ``attn_qkv`` holds the q, k and v rows in turn and ``ffn_up`` the gate's rows then
   the up projection's; both are split here (the runtime fuses them again). LongRoPE factors
   (``rope_factors_long``/``short``) other than all ones are refused.
+- ``gemma2`` (text): embeddings times ``sqrt(embedding_length)``, a GELU(tanh)-gated MLP,
+  RMSNorms of the attention's and the MLP's outputs (``post_attention_norm``,
+  ``post_ffw_norm``), NEOX rotary, tied embeddings; attention scores and logits soft-capped
+  (``attn_logit_softcapping``, default 50; ``final_logit_softcapping``, default 30); every other
+  layer (0, 2, ...) sees only the last ``attention.sliding_window`` tokens (default 4096).
+  Attention scale ``key_length ** -0.5``, except for llama.cpp's 27B (46 layers):
+  ``(embedding_length / head_count) ** -0.5``, its ``query_pre_attn_scalar``.
+- ``gemma3`` (text): as ``gemma2`` plus ``attn_q_norm``/``attn_k_norm``, without soft-capping;
+  five sliding-window layers to one global (layer i is global when ``i % 6 == 5``); the
+  sliding layers rotate with base 10000 and no scaling, the global ones with ``rope.freq_base``
+  and the file's linear scaling. The 27B (62 layers) takes the scale as above. The window is
+  required (llama.cpp's Gemma 3 without one is not read).
+  (The converter stores Gemma's norm gains with their ``1 +`` already added.)
 
 Rope scaling: ``{arch}.rope.scaling.type`` ``none`` or ``linear`` (llama.cpp's default when the
 key is absent); ``rope.scaling.factor`` divides the positions, as llama.cpp applies it whatever
@@ -48,7 +61,7 @@ from tfnb.names import format_bytes
 __all__ = ["read_gguf", "unpermute_rows", "permute_rows", "SUPPORTED_ARCHITECTURES",
            "ROPE_SCALING_TYPES", "DequantizedWeightsWarning"]
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 ROPE_SCALING_TYPES = ("none", "linear")
 # llama.cpp's converter permutes q/k rows for its llama rotary layout only; the others keep
 # HF's halves (NEOX rotary). Mistral models convert as "llama".
@@ -70,6 +83,15 @@ _BLOCK_TENSORS = {
     # llama.cpp's phi3 reads attn_qkv, or else attn_q/k/v; its ffn_up is [gate; up]
     "phi3": {**_COMMON, **_QKV, "attn_qkv.weight": "wqkv", "ffn_up.weight": "w_gate_up"},
 }
+_POST_NORMS = {"post_attention_norm.weight": "post_attn_norm",
+               "post_ffw_norm.weight": "post_mlp_norm"}
+_BLOCK_TENSORS["gemma2"] = {**_COMMON, **_QKV, **_GATE_UP, **_POST_NORMS}
+_BLOCK_TENSORS["gemma3"] = {**_BLOCK_TENSORS["gemma2"], "attn_q_norm.weight": "q_norm",
+                            "attn_k_norm.weight": "k_norm"}
+_QK_NORM = ("qwen3", "gemma3")
+# llama.cpp's Gemma: (layer pattern, layer count of the 27B, whose attention scale is
+# (hidden / heads) ** -0.5). Layer i slides unless i % pattern == pattern - 1.
+_GEMMA = {"gemma2": (2, 46), "gemma3": (6, 62)}
 # model-level rotary tensors: Llama 3's frequency factors, Phi-3's LongRoPE factors
 _ROPE_TENSORS = {"llama": ("rope_freqs.weight",),
                  "phi3": ("rope_factors_long.weight", "rope_factors_short.weight")}
@@ -221,6 +243,8 @@ def _config(meta: dict, path: str) -> LlamaConfig:
     # generation ends at any of llama.cpp's end tokens: end of text, of turn, of message
     ends = (meta.get(f"tokenizer.ggml.{kind}_token_id") for kind in ("eos", "eot", "eom"))
     eos = tuple(dict.fromkeys(int(i) for i in ends if i is not None))
+    gemma = _gemma_fields(arch, hidden, n_heads, head_dim, count("block_count"), count,
+                          number) if arch in _GEMMA else {}
     try:
         return LlamaConfig(
             vocab_size=count("vocab_size"),
@@ -237,9 +261,30 @@ def _config(meta: dict, path: str) -> LlamaConfig:
             tie_embeddings=True,  # fixed below from the tensor list
             bos_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_ids=eos,
+            **gemma,
         )
     except ModelError as e:  # a relation between fields (e.g. KV heads that do not divide heads)
         raise ModelError(f"GGUF file {path!r}: {e}") from None
+
+
+def _gemma_fields(arch: str, hidden: int, n_heads: int, head_dim: int, n_layers: int, count,
+                  number) -> dict:
+    """The ``LlamaConfig`` fields of a ``gemma2``/``gemma3`` file, as llama.cpp sets them
+    (``count``/``number`` read ``{arch}.<key>`` metadata, with a default or required)."""
+    pattern, n_layers_27b = _GEMMA[arch]
+    window = count("attention.sliding_window", 4096 if arch == "gemma2" else None)
+    # llama.cpp: n_embd / n_head in integers for the 27B, else the head width
+    scale_dim = hidden // n_heads if n_layers == n_layers_27b else head_dim
+    fields = dict(
+        embed_scale=float(np.sqrt(np.float32(hidden))), mlp_act="gelu_tanh", post_norms=True,
+        attn_scale=float(np.float32(1.0) / np.sqrt(np.float32(scale_dim))),
+        sliding_window=window, sliding_pattern=pattern)
+    if arch == "gemma2":
+        fields.update(attn_softcap=number("attn_logit_softcapping", 50.0),
+                      final_softcap=number("final_logit_softcapping", 30.0))
+    else:
+        fields.update(local_rope_theta=10000.0)
+    return fields
 
 
 def _canonical(gguf_name: str, arch: str) -> str | None:
@@ -406,7 +451,7 @@ def read_gguf(path, report: Reporter = silent, packed: bool = True
     config = dataclasses.replace(
         config, tie_embeddings="output.weight" not in names,
         qkv_bias=any(c.endswith((".bq", ".bk", ".bv")) for c in names.values()),
-        qk_norm=arch == "qwen3", rope_freq_factors=_rope_factors(reader, names, config, path))
+        qk_norm=arch in _QK_NORM, rope_freq_factors=_rope_factors(reader, names, config, path))
     expected = weight_shapes(config)
     sources = {n: c for n, c in names.items() if c != n}  # the rotary tensors are read above
     extra = sorted((n for n, c in sources.items() if not set(_parts(c)) <= set(expected)),

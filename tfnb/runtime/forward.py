@@ -16,6 +16,10 @@ tensor, or a ``Packed`` one (GGUF blocks, one row per output channel) that ``den
 with tfnb's packed-weight op (:mod:`tfnb.kernels`), which runs as an XLA custom call inside the
 compiled segments like every other op here.
 
+Layers may differ (Gemma 2/3): :class:`Layer` is one block's static spec (its sliding window
+and rotary base and scale, from :func:`layer_of`); a call makes the rotary tables once per
+distinct ``(theta, scale)`` and hands each block its own, so shapes stay static per segment.
+
 Examples
 --------
 >>> x_BxTxD = tf.ones([1, 3, 8])
@@ -36,9 +40,10 @@ from tfnb import kernels
 from tfnb.models.packed import fuse_rows
 
 __all__ = [
-    "BlockParams", "fuse_block", "rms_norm", "rope_tables", "rope_for", "apply_rope", "positions",
-    "prefill_mask", "decode_mask", "attention", "block_prefill", "block_decode", "embed",
-    "embed_from_columns", "logits", "next_token", "dense", "Packed", "is_packed",
+    "BlockParams", "Layer", "layer_of", "fuse_block", "rms_norm", "rope_tables", "rope_for",
+    "ropes_for", "apply_rope", "positions", "prefill_mask", "decode_mask", "attention",
+    "block_prefill", "block_decode", "embed", "embed_from_columns", "logits", "next_token",
+    "dense", "Packed", "is_packed",
 ]
 
 _MASKED = -1e9  # finite, so a row with every slot masked (padding queries) stays NaN-free
@@ -81,6 +86,21 @@ class BlockParams(NamedTuple):
     bqkv: tf.Tensor | None = None  # ((H + 2K) E,): Qwen2's q/k/v biases
     q_norm: tf.Tensor | None = None  # (E,): Qwen3's RMSNorm gain of each q head, before rotary
     k_norm: tf.Tensor | None = None  # (E,): the same for each k head
+    post_attn_norm: tf.Tensor | None = None  # (D,): Gemma's RMSNorm of the attention output
+    post_mlp_norm: tf.Tensor | None = None   # (D,): and of the MLP output, before each residual
+
+
+class Layer(NamedTuple):
+    """One block's static attention spec: its query sees the last ``window`` positions (0: all
+    earlier ones), rotated with base ``theta`` and positions divided by ``scale``."""
+    window: int
+    theta: float
+    scale: float
+
+
+def layer_of(cfg, i: int) -> Layer:
+    """Block ``i``'s :class:`Layer` (``LlamaConfig.window`` and ``rope_of``)."""
+    return Layer(cfg.window(i), *cfg.rope_of(i))
 
 
 def fuse_block(weights: dict, i: int) -> dict[str, np.ndarray]:
@@ -97,9 +117,13 @@ def fuse_block(weights: dict, i: int) -> dict[str, np.ndarray]:
             } if p + "bq" in weights else {}
     qk_norm = {"q_norm": weights[p + "q_norm"], "k_norm": weights[p + "k_norm"]
                } if p + "q_norm" in weights else {}
+    post = {"post_attn_norm": weights[p + "post_attn_norm"],
+            "post_mlp_norm": weights[p + "post_mlp_norm"]} if p + "post_attn_norm" in weights \
+        else {}
     return {
         **bias,
         **qk_norm,
+        **post,
         "attn_norm": weights[p + "attn_norm"],
         "wqkv": fuse_rows([weights[p + "wq"], weights[p + "wk"], weights[p + "wv"]]),
         "wo": weights[p + "wo"],
@@ -182,12 +206,20 @@ def rope_tables(pos_BxT, head_dim, theta, scale=1.0, factors_E2=None):
             tf.concat([sin_BxTxE2, sin_BxTxE2], axis=-1))
 
 
-def rope_for(pad_B, first_slot, T, cfg):
+def rope_for(pad_B, first_slot, T, cfg, layer: Layer | None = None):
     """The rotary tables of ``T`` slots from ``first_slot`` (:func:`positions`), which every
-    block of a call shares. A call makes them once and hands them to each block: made inside
-    each block, XLA would compute them again for every block (docs/runtime.md)."""
-    return rope_tables(positions(pad_B, first_slot, T), cfg.head_dim, cfg.rope_theta,
-                       cfg.rope_scaling_factor, cfg.rope_freq_factors)
+    block of a call with ``layer``'s base and scale shares (None: the model's). A call makes
+    them once and hands them to each block: made inside each block, XLA would compute them
+    again for every block (docs/runtime.md)."""
+    theta, scale = (cfg.rope_theta, cfg.rope_scaling_factor) if layer is None \
+        else (layer.theta, layer.scale)
+    return rope_tables(positions(pad_B, first_slot, T), cfg.head_dim, theta, scale,
+                       cfg.rope_freq_factors)
+
+
+def ropes_for(pad_B, first_slot, T, cfg, layers) -> dict:
+    """:func:`rope_for`'s tables per distinct ``(theta, scale)`` of ``layers``."""
+    return {(ly.theta, ly.scale): rope_for(pad_B, first_slot, T, cfg, ly) for ly in layers}
 
 
 @_scoped("rope")
@@ -198,27 +230,44 @@ def apply_rope(x_BxTxNxE, cos_BxTxE, sin_BxTxE):
     return x_BxTxNxE * cos_BxTxE[:, :, None] + rotated_BxTxNxE * sin_BxTxE[:, :, None]
 
 
-def prefill_mask(pad_B, T):
-    """(B, T, T) bool: query slot q may see key slot s when ``pad <= s <= q``."""
+def prefill_mask(pad_B, T, window: int = 0):
+    """(B, T, T) bool: query slot q may see key slot s when ``pad <= s <= q`` (and, with a
+    sliding ``window``, ``q - s < window``: llama.cpp's standard window)."""
     s_T = tf.range(T, dtype=tf.int32)
     causal_TxT = s_T[None, :] <= s_T[:, None]
+    if window:
+        causal_TxT &= s_T[:, None] - s_T[None, :] < window
     real_BxT = s_T[None, :] >= pad_B[:, None]
     return causal_TxT[None] & real_BxT[:, None, :]
 
 
-def decode_mask(pad_B, slot, S):
-    """(B, 1, S) bool: the token in ``slot`` may see key slots ``pad <= s <= slot``."""
+def decode_mask(pad_B, slot, S, window: int = 0):
+    """(B, 1, S) bool: the token in ``slot`` may see key slots ``pad <= s <= slot`` (and
+    ``slot - s < window`` with a sliding ``window``)."""
     s_S = tf.range(S, dtype=tf.int32)
-    return ((s_S[None, :] >= pad_B[:, None]) & (s_S[None, :] <= slot))[:, None, :]
+    first_B = _window_pad(pad_B, slot, window)
+    return ((s_S[None, :] >= first_B[:, None]) & (s_S[None, :] <= slot))[:, None, :]
+
+
+def _window_pad(pad_B, slot, window: int):
+    """The first slot each row's token in ``slot`` sees: ``pad``, or with a sliding
+    ``window`` the later of it and ``slot - window + 1`` (a slot's distance is its position's:
+    a row's tokens fill consecutive slots). A free row (pad past the slot) stays past it."""
+    return pad_B if not window else tf.maximum(pad_B, slot - window + 1)
 
 
 @_scoped("attention")
-def attention(q_BxTxHxE, k_BxKxSxE, v_BxKxSxE, mask_BxTxS):
-    """Grouped-query attention; query head ``h`` reads KV head ``h // G`` (as HF ``repeat_kv``)."""
+def attention(q_BxTxHxE, k_BxKxSxE, v_BxKxSxE, mask_BxTxS, scale=None, softcap=0.0):
+    """Grouped-query attention; query head ``h`` reads KV head ``h // G`` (as HF ``repeat_kv``).
+    Scores are ``q.k * scale`` (None: ``E ** -0.5``), then ``softcap * tanh(s / softcap)``
+    when ``softcap`` (Gemma 2)."""
     B, T, H, E = q_BxTxHxE.shape
     K = k_BxKxSxE.shape[1]
     q_BxKxGxTxE = tf.transpose(tf.reshape(q_BxTxHxE, [B, T, K, H // K, E]), [0, 2, 3, 1, 4])
-    scores_BxKxGxTxS = tf.einsum("bkgte,bkse->bkgts", q_BxKxGxTxE, k_BxKxSxE) * (E ** -0.5)
+    scale = E ** -0.5 if scale is None else scale
+    scores_BxKxGxTxS = tf.einsum("bkgte,bkse->bkgts", q_BxKxGxTxE, k_BxKxSxE) * scale
+    if softcap:
+        scores_BxKxGxTxS = softcap * tf.tanh(scores_BxKxGxTxS * (1.0 / softcap))
     scores_BxKxGxTxS = tf.where(mask_BxTxS[:, None, None], scores_BxKxGxTxS, _MASKED)
     probs_BxKxGxTxS = tf.nn.softmax(scores_BxKxGxTxS, axis=-1)
     out_BxKxGxTxE = tf.einsum("bkgts,bkse->bkgte", probs_BxKxGxTxS, v_BxKxSxE)
@@ -235,7 +284,7 @@ def _write_cache(cache_BxKxSxE, new_BxKxTxE, first_slot, first_row=0) -> None:
     cache_BxKxSxE.assign(xla.dynamic_update_slice(cache_BxKxSxE, new_BxKxTxE, at))
 
 
-def _rope_qkv(qkv_BxTxC, p: BlockParams, pad_B, first_slot, cfg, rope=None):
+def _rope_qkv(qkv_BxTxC, p: BlockParams, pad_B, first_slot, cfg, rope=None, layer=None):
     """The fused projection (plus its bias) split into rotated q (B,T,H,E) and k, v as
     (B,K,T,E); with ``p.q_norm`` (Qwen3) each q and k head is RMS-normed first. ``rope`` is
     :func:`rope_for`'s tables of these slots, made here if None."""
@@ -248,7 +297,8 @@ def _rope_qkv(qkv_BxTxC, p: BlockParams, pad_B, first_slot, cfg, rope=None):
     if p.q_norm is not None:
         q_BxTxHxE = rms_norm(q_BxTxHxE, p.q_norm, cfg.norm_eps)
         k_BxTxKxE = rms_norm(k_BxTxKxE, p.k_norm, cfg.norm_eps)
-    cos_BxTxE, sin_BxTxE = rope if rope is not None else rope_for(pad_B, first_slot, T, cfg)
+    cos_BxTxE, sin_BxTxE = rope if rope is not None else rope_for(pad_B, first_slot, T, cfg,
+                                                                  layer)
     q_BxTxHxE = apply_rope(q_BxTxHxE, cos_BxTxE, sin_BxTxE)
     k_BxTxKxE = apply_rope(k_BxTxKxE, cos_BxTxE, sin_BxTxE)
     k_BxKxTxE = tf.transpose(k_BxTxKxE, [0, 2, 1, 3])
@@ -262,8 +312,12 @@ def _add_norm(x_BxTxD, y_BxTxD, gain_D, eps):
     return x_BxTxD, rms_norm(x_BxTxD, gain_D, eps)
 
 
-def _swiglu(gate_up_BxTx2F):
+def _gated(gate_up_BxTx2F, act: str):
+    """``act(gate) * up``: SwiGLU (``"silu"``) or Gemma's GELU with the tanh approximation
+    (``"gelu_tanh"``, ggml's ``gelu``)."""
     gate_BxTxF, up_BxTxF = tf.split(gate_up_BxTx2F, 2, axis=-1)
+    if act == "gelu_tanh":
+        return tf.nn.gelu(gate_BxTxF, approximate=True) * up_BxTxF
     return tf.nn.silu(gate_BxTxF) * up_BxTxF
 
 
@@ -281,52 +335,71 @@ def _zero_unread(x_BxTxC, read_BxTx1):
 
 
 def _mlp_residual(x_BxTxD, attn_BxTxHE, p: BlockParams, cfg, read_BxTx1=None):
-    x_BxTxD, h_BxTxD = _add_norm(x_BxTxD, dense(_zero_unread(attn_BxTxHE, read_BxTx1), p.wo),
-                                 p.mlp_norm, cfg.norm_eps)
+    """The attention's output projection and residual, then the MLP's; with post-norms
+    (Gemma) each output is RMS-normed before its residual add."""
+    o_BxTxD = dense(_zero_unread(attn_BxTxHE, read_BxTx1), p.wo)
+    if p.post_attn_norm is not None:
+        o_BxTxD = rms_norm(o_BxTxD, p.post_attn_norm, cfg.norm_eps)
+    x_BxTxD, h_BxTxD = _add_norm(x_BxTxD, o_BxTxD, p.mlp_norm, cfg.norm_eps)
     h_BxTxD = _zero_unread(h_BxTxD, read_BxTx1)
-    return x_BxTxD + dense(_swiglu(dense(h_BxTxD, p.w_gate_up)), p.w_down)
+    y_BxTxD = dense(_gated(dense(h_BxTxD, p.w_gate_up), cfg.mlp_act), p.w_down)
+    if p.post_mlp_norm is not None:
+        y_BxTxD = rms_norm(y_BxTxD, p.post_mlp_norm, cfg.norm_eps)
+    return x_BxTxD + y_BxTxD
 
 
 def block_prefill(x_BxTxD, p: BlockParams, cache_k, cache_v, pad_B, cfg, first_slot=0,
-                  first_row=0, rope=None):
+                  first_row=0, rope=None, layer: Layer | None = None):
     """One block over a whole left-padded prompt (``pad_B`` counts its padding): returns its
     output and writes its keys and values to slots ``[first_slot, first_slot + T)`` of cache
     rows ``[first_row, first_row + B)`` (attention itself only reads the ``T`` new keys, so a
-    prompt may join rows that are already decoding at a later slot)."""
+    prompt may join rows that are already decoding at a later slot). ``layer`` is the block's
+    :class:`Layer` (None: global, the model's rotary); ``rope`` its tables."""
+    window = layer.window if layer is not None else 0
     # the padding's queries see no key: their rows are read by no one, so they may be zeros
     read_BxTx1 = _read_rows(p, tf.range(x_BxTxD.shape[1])[None, :] >= pad_B[:, None])
     h_BxTxD = _zero_unread(rms_norm(x_BxTxD, p.attn_norm, cfg.norm_eps), read_BxTx1)
     q_BxTxHxE, k_BxKxTxE, v_BxKxTxE = _rope_qkv(dense(h_BxTxD, p.wqkv), p, pad_B, 0, cfg,
-                                                rope)
+                                                rope, layer)
     _write_cache(cache_k, k_BxKxTxE, first_slot, first_row)
     _write_cache(cache_v, v_BxKxTxE, first_slot, first_row)
     attn_BxTxHE = attention(q_BxTxHxE, k_BxKxTxE, v_BxKxTxE,
-                            prefill_mask(pad_B, x_BxTxD.shape[1]))
+                            prefill_mask(pad_B, x_BxTxD.shape[1], window), cfg.attn_scale,
+                            cfg.attn_softcap)
     return _mlp_residual(x_BxTxD, attn_BxTxHE, p, cfg, read_BxTx1)
 
 
 def block_decode(x_Bx1xD, p: BlockParams, cache_k, cache_v, pad_B, slot, cfg, window=None,
-                 rope=None):
+                 rope=None, layer: Layer | None = None):
     """One block for one new token per row: returns its output and writes the token's key and
     value into cache ``slot`` (an int32 scalar) of the cache variables.
 
     The ``B`` rows are the cache's first ``B`` (a cache may hold more rows than are busy), and
     attention reads only its first ``window`` slots (static; default all), which must cover
-    ``slot``."""
+    ``slot``. ``layer`` is the block's :class:`Layer` (None: global, the model's rotary): a
+    sliding-window layer sees only the last ``layer.window`` slots up to ``slot``."""
+    sliding = layer.window if layer is not None else 0
     # a free row (pad past the slot: it sees nothing) is read by no one
     read_Bx1x1 = _read_rows(p, (pad_B <= slot)[:, None])
     h_Bx1xD = _zero_unread(rms_norm(x_Bx1xD, p.attn_norm, cfg.norm_eps), read_Bx1x1)
     q_Bx1xHxE, k_BxKx1xE, v_BxKx1xE = _rope_qkv(dense(h_Bx1xD, p.wqkv), p, pad_B, slot, cfg,
-                                                    rope)
+                                                    rope, layer)
     _write_cache(cache_k, k_BxKx1xE, slot)
     _write_cache(cache_v, v_BxKx1xE, slot)
     B, S = x_Bx1xD.shape[0], window or cache_k.shape[2]
-    if is_packed(p.wqkv):
+    if is_packed(p.wqkv) and not cfg.attn_softcap:
         # tfnb's ops are on this device (tfnb.runtime.weights.check_packed_ops): attention
         # reads the caches in place instead of gathering the window (tfnb/kernels/attention.cc;
-        # docs/runtime.md); float32 models keep the plain TF ops below
-        attn_BxHE = _decode_attention(q_Bx1xHxE[:, 0], cache_k.read_value(),
-                                      cache_v.read_value(), pad_B, slot, S)
+        # docs/runtime.md); float32 models keep the plain TF ops below. The op scales by
+        # E ** -0.5 and reads slots pad..slot: another scale is folded into q, and a sliding
+        # window raises each row's first slot. It has no soft-capping (Gemma 2): those models
+        # take the TF ops below.
+        q_BxHxE = q_Bx1xHxE[:, 0]
+        ratio = 1.0 if cfg.attn_scale is None else cfg.attn_scale * cfg.head_dim ** 0.5
+        if ratio != 1.0:
+            q_BxHxE = q_BxHxE * ratio
+        attn_BxHE = _decode_attention(q_BxHxE, cache_k.read_value(), cache_v.read_value(),
+                                      _window_pad(pad_B, slot, sliding), slot, S)
         return _mlp_residual(x_Bx1xD, attn_BxHE[:, None], p, cfg, read_Bx1x1)
     # The rows are gathered, not sliced: on TF 2.21's XLA:CPU, reading rows [:B] of the updated
     # cache makes XLA copy every cache in full each step for any 1 < B; a gather does not.
@@ -335,8 +408,9 @@ def block_decode(x_Bx1xD, p: BlockParams, cache_k, cache_v, pad_B, slot, cfg, wi
         k_BxKxSxE = tf.gather(cache_k.read_value()[:, :, :S], rows_B)
         v_BxKxSxE = tf.gather(cache_v.read_value()[:, :, :S], rows_B)
     attn_Bx1xHE = attention(q_Bx1xHxE, k_BxKxSxE, v_BxKxSxE,
-                            decode_mask(pad_B, slot, k_BxKxSxE.shape[2]))
-    return _mlp_residual(x_Bx1xD, attn_Bx1xHE, p, cfg)
+                            decode_mask(pad_B, slot, k_BxKxSxE.shape[2], sliding),
+                            cfg.attn_scale, cfg.attn_softcap)
+    return _mlp_residual(x_Bx1xD, attn_Bx1xHE, p, cfg, read_Bx1x1)
 
 
 def embed(ids_BxT, table_VxD):
@@ -359,11 +433,13 @@ def embed_from_columns(ids_BxT, table_DxV):
 
 
 def logits(h_BxD, final_norm_D, out_DxV, cfg):
-    """Logits (B, V) (or (B, T, V)); ``out_DxV`` is ``lm_head``, or ``embed.T`` when tied."""
+    """Logits (B, V) (or (B, T, V)); ``out_DxV`` is ``lm_head``, or ``embed.T`` when tied.
+    With ``cfg.final_softcap`` (Gemma 2) they are ``c * tanh(logits / c)``."""
     h_BxD = rms_norm(h_BxD, final_norm_D, cfg.norm_eps)
-    if len(h_BxD.shape) == 3:
-        return dense(h_BxD, out_DxV)
-    return matmul(h_BxD, out_DxV)
+    out_BxV = dense(h_BxD, out_DxV) if len(h_BxD.shape) == 3 else matmul(h_BxD, out_DxV)
+    if cfg.final_softcap:
+        out_BxV = cfg.final_softcap * tf.tanh(out_BxV * (1.0 / cfg.final_softcap))
+    return out_BxV
 
 
 @_scoped("sampling")

@@ -107,10 +107,13 @@ def unpack_ctl(ctl, with_tokens: bool):
     return ctl[0], ctl[1:1 + B], ctl[1 + B:]
 
 
-def _embed(ids_BxT, params):
+def _embed(ids_BxT, params, cfg):
+    """Token embeddings, times ``cfg.embed_scale`` when it is not 1 (Gemma: sqrt(D))."""
     if "embed_VxD" in params:
-        return L.embed(ids_BxT, params["embed_VxD"])
-    return L.embed_from_columns(ids_BxT, params["embed_DxV"])
+        x_BxTxD = L.embed(ids_BxT, params["embed_VxD"])
+    else:
+        x_BxTxD = L.embed_from_columns(ids_BxT, params["embed_DxV"])
+    return x_BxTxD if cfg.embed_scale == 1.0 else x_BxTxD * cfg.embed_scale
 
 
 def segment_functions(seg: Segment, params: dict, caches, cfg, eos_ids, pad_id) -> SegmentFns:
@@ -136,20 +139,26 @@ def segment_functions(seg: Segment, params: dict, caches, cfg, eos_ids, pad_id) 
 
     # Each stage's math runs under its stage's name scope (embed, block.i, head): XLA keeps the
     # scopes in its ops' metadata, which is how a profile attributes compiled time to stages.
-    blocks = [(block_stage(i), p, ck, cv)
+    # each block's static Layer (its sliding window and rotary base); the rotary tables are made
+    # once per call for each distinct base among them
+    blocks = [(block_stage(i), p, ck, cv, L.layer_of(cfg, i))
               for i, p, (ck, cv) in zip(seg.blocks, params["blocks"], caches)]
+    layers = [layer for *_, layer in blocks]
+
+    def rope_of(ropes, layer):
+        return ropes[(layer.theta, layer.scale)]
 
     def prefill(x, ctl, mode, head_in, want_logits=False):
         first_slot, pad_B, first_row = ctl[0], ctl[1:-1], ctl[-1]  # pack_prefill_ctl
         if seg.has_embed:
             with tf.name_scope("embed"):
-                x = _embed(x, params)
+                x = _embed(x, params, cfg)
         h_BxTxD = x
-        rope = L.rope_for(pad_B, 0, x.shape[1], cfg) if blocks else None
-        for stage, p, ck, cv in blocks:
+        ropes = L.ropes_for(pad_B, 0, x.shape[1], cfg, layers)
+        for stage, p, ck, cv, layer in blocks:
             with tf.name_scope(stage):
                 h_BxTxD = L.block_prefill(h_BxTxD, p, ck, cv, pad_B, cfg, first_slot, first_row,
-                                          rope)
+                                          rope_of(ropes, layer), layer)
         if not seg.has_head:
             return h_BxTxD
         with tf.name_scope("head"):
@@ -162,12 +171,13 @@ def segment_functions(seg: Segment, params: dict, caches, cfg, eos_ids, pad_id) 
         slot, pad_B, tok_B = unpack_ctl(ctl, with_tokens=seg.has_embed)
         if seg.has_embed:
             with tf.name_scope("embed"):
-                x = _embed(tok_B[:, None], params)
+                x = _embed(tok_B[:, None], params, cfg)
         h_Bx1xD = x
-        rope = L.rope_for(pad_B, slot, 1, cfg) if blocks else None
-        for stage, p, ck, cv in blocks:
+        ropes = L.ropes_for(pad_B, slot, 1, cfg, layers)
+        for stage, p, ck, cv, layer in blocks:
             with tf.name_scope(stage):
-                h_Bx1xD = L.block_decode(h_Bx1xD, p, ck, cv, pad_B, slot, cfg, window, rope)
+                h_Bx1xD = L.block_decode(h_Bx1xD, p, ck, cv, pad_B, slot, cfg, window,
+                                         rope_of(ropes, layer), layer)
         if not seg.has_head:
             return h_Bx1xD
         with tf.name_scope("head"):
