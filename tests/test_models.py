@@ -203,7 +203,8 @@ def test_smollm2_config_matches_the_gguf_facts(smollm2):
     assert smollm2.config == decoder.LlamaConfig(
         vocab_size=49152, hidden_size=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn_size=1536,
         rope_theta=100000.0, norm_eps=1e-5, max_context=8192, tie_embeddings=True,
-        bos_id=1, eos_ids=(2,))
+        bos_id=1, eos_ids=(2, 0, 4))  # llama.cpp's end tokens: <|im_end|>, <|endoftext|>,
+    # and <reponame>, which it takes for a fill-in-the-middle token
     assert "lm_head" not in smollm2.weights
     # matrices stay in the file's blocks (Q4_1, the embedding Q8_0); norms are float32
     packed = {n: w for n, w in smollm2.weights.items() if isinstance(w, PackedTensor)}

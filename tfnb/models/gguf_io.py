@@ -55,7 +55,7 @@ from tfnb.errors import ModelError
 from tfnb.models.decoder import LlamaConfig, weight_shapes
 from tfnb.models.packed import QTYPES, PackedTensor
 from tfnb.models.progress import Reporter, silent
-from tfnb.models.tokenizer import Tokenizer, tokenizer_from_gguf_fields
+from tfnb.models.tokenizer import Tokenizer, end_token_ids, tokenizer_from_gguf_fields
 from tfnb.names import format_bytes
 
 __all__ = ["read_gguf", "unpermute_rows", "permute_rows", "SUPPORTED_ARCHITECTURES",
@@ -240,9 +240,9 @@ def _config(meta: dict, path: str) -> LlamaConfig:
         raise ModelError(f"GGUF file {path!r} has neither '{arch}.vocab_size' nor "
                          "'tokenizer.ggml.tokens': expected a vocabulary")
     meta = {**meta, f"{arch}.vocab_size": vocab}
-    # generation ends at any of llama.cpp's end tokens: end of text, of turn, of message
-    ends = (meta.get(f"tokenizer.ggml.{kind}_token_id") for kind in ("eos", "eot", "eom"))
-    eos = tuple(dict.fromkeys(int(i) for i in ends if i is not None))
+    # generation ends at any of llama.cpp's end tokens: by id (eos, eot, eom) and by name
+    # (<end_of_turn>, <|end|>, ...), which files of Gemma and Phi-3 need
+    eos = end_token_ids(meta)
     gemma = _gemma_fields(arch, hidden, n_heads, head_dim, count("block_count"), count,
                           number) if arch in _GEMMA else {}
     try:
