@@ -26,6 +26,7 @@ _LAZY = {
     "ExposedServerWarning": "tfnb.cluster", "LoopbackGuard": "tfnb.cluster",
     "load_model": "tfnb.models", "Model": "tfnb.models", "LayerChain": "tfnb.models",
     "place": "tfnb.placement", "PlacedModel": "tfnb.runtime", "ReplicatedModel": "tfnb.runtime",
+    "ReplicaLostWarning": "tfnb.runtime", "ReplicaRestoredWarning": "tfnb.runtime",
     "serve": "tfnb.serving", "Server": "tfnb.serving",
     "profile": "tfnb.profiler", "Profile": "tfnb.profiler",
     "PlacementEditor": "tfnb.notebook.widgets",

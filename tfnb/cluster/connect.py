@@ -189,22 +189,25 @@ class Cluster:
         {'restarted': ['/job:worker/replica:0/task:1'], 'lost': ['SmolLM2 placed on 2 devices']}
         """
         t = self.timeout if timeout is None else _check_timeout(timeout)
-        results = probe_all(self.spec.addresses, t)
-        if any(r.state != "up" for r in results):
-            raise _unreachable(results, t)
-        names = dict(zip(self.spec.addresses, self.workers))
-        restarted = [names[r.address] for r in results
-                     if r.incarnation != self._incarnations.get(r.address)]
-        _tell_tensorflow(self.spec, self.client_address)
-        _make_current(self)
-        if restarted:
-            _await_restarted([r.devices[0].name for r in results if names[r.address] in
-                              restarted and r.devices],
-                             [r.devices[0].name for r in results if r.devices], t)
-        lost = self._lose(set(restarted), "a worker restarted") if restarted else []
-        self._incarnations = {r.address: r.incarnation for r in results}
-        self._devices = [d.name for r in results for d in r.devices]
-        self.connected = True
+        # one reconnect at a time: a replicated model's healer (tfnb.runtime.replicas) may
+        # reconnect from its thread while the user does; the second then finds nothing restarted
+        with _lock:
+            results = probe_all(self.spec.addresses, t)
+            if any(r.state != "up" for r in results):
+                raise _unreachable(results, t)
+            names = dict(zip(self.spec.addresses, self.workers))
+            restarted = [names[r.address] for r in results
+                         if r.incarnation != self._incarnations.get(r.address)]
+            _tell_tensorflow(self.spec, self.client_address)
+            _make_current(self)
+            if restarted:
+                _await_restarted([r.devices[0].name for r in results if names[r.address] in
+                                  restarted and r.devices],
+                                 [r.devices[0].name for r in results if r.devices], t)
+            lost = self._lose(set(restarted), "a worker restarted") if restarted else []
+            self._incarnations = {r.address: r.incarnation for r in results}
+            self._devices = [d.name for r in results for d in r.devices]
+            self.connected = True
         return {"restarted": restarted, "lost": lost}
 
     # --- ending ---------------------------------------------------------------------------

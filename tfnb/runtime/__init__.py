@@ -22,10 +22,11 @@ Examples
 from tfnb.models.chain import Segment
 from tfnb.runtime.devices import even_split, resolve_assignment
 from tfnb.runtime.placed import PlacedModel, place_llama
-from tfnb.runtime.replicas import ReplicaLostWarning, ReplicatedModel
+from tfnb.runtime.replicas import ReplicaLostWarning, ReplicaRestoredWarning, ReplicatedModel
 from tfnb.runtime.requests import GenerateOptions, GenerateRequest
 from tfnb.runtime.session import ChunkEvent
 
-__all__ = ["place_llama", "PlacedModel", "ReplicatedModel", "ReplicaLostWarning", "Segment",
+__all__ = ["place_llama", "PlacedModel", "ReplicatedModel", "ReplicaLostWarning",
+           "ReplicaRestoredWarning", "Segment",
            "ChunkEvent", "GenerateOptions",
            "GenerateRequest", "even_split", "resolve_assignment"]

@@ -41,6 +41,7 @@ from tfnb.serving.protocol import (
 __all__ = ["serve", "Server", "ServeError", "ExposedEndpointWarning"]
 
 START_TIMEOUT_S = 10.0
+RETRY_AFTER_S = 5  # Retry-After of a 503 while every copy is lost and healing brings it back
 WARM_MODES = ("greedy", "sample")  # what the API's temperature 0 and its default ask for
 
 
@@ -67,13 +68,13 @@ def _check(host, port, api_key) -> None:
                       "carry the API key", ExposedEndpointWarning, stacklevel=3)
 
 
-def _as_replicated(placed):
+def _as_replicated(placed, heal: bool = True):
     from tfnb.runtime import PlacedModel, ReplicatedModel
 
     if isinstance(placed, ReplicatedModel):
         return placed
     if isinstance(placed, PlacedModel):  # one replica: requests queue on it, never interleave
-        return ReplicatedModel([placed], plan=placed.plan)
+        return ReplicatedModel([placed], plan=placed.plan, heal=heal)
     raise ServeError(f"placed={placed!r:.60}: expected a model placed with tfnb.place (a "
                      "llama-family model)")
 
@@ -102,7 +103,13 @@ class _Endpoint:
     def _error(self, e: ApiError):
         from starlette.responses import JSONResponse
 
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=self._retry_after(e.status))
+
+    def _retry_after(self, status: int) -> dict:
+        """``Retry-After`` on a 503 while no copy serves and healing will place one again."""
+        if status == 503 and self.model.healing and not self.model.replicas:
+            return {"Retry-After": str(RETRY_AFTER_S)}
+        return {}
 
     async def not_found(self, request, exc):
         return self._error(ApiError(404, f"no route {request.url.path!r}: expected /v1/models, "
@@ -139,10 +146,15 @@ class _Endpoint:
             return self._error(e)
         alive = [r for r in self.model.replicas if r.lost is None]
         errors = [e for e in (r.scheduler.warm_error() for r in alive) if e]
+        copies = [{k: part[k] for k in ("replica", "devices", "state", "lost", "lost_at",
+                                        "restored_at", "heal_error")}
+                  for part in self.model.serving_status()["replicas"]]
+        status = 200 if alive else 503
         return JSONResponse({"status": "ok" if alive else "lost", "replicas": len(alive),
                              "warming": sum(r.scheduler.warming() for r in alive),
-                             "warm_error": errors[0] if errors else None},
-                            status_code=200 if alive else 503)
+                             "warm_error": errors[0] if errors else None,
+                             "healing": self.model.healing, "copies": copies},
+                            status_code=status, headers=self._retry_after(status))
 
     async def models(self, request):
         from starlette.responses import JSONResponse
@@ -186,7 +198,7 @@ class _Endpoint:
             return self._error(ApiError(503, str(e), "server_error"))
         except GenerateError as e:
             return self._error(ApiError(400, str(e)))
-        except WorkerLostError as e:
+        except WorkerLostError as e:  # 503, with Retry-After while healing brings a copy back
             return self._error(_lost(e))
 
     def _whole(self, prompt, options, chat: bool):
@@ -266,8 +278,9 @@ class Server:
     """
 
     def __init__(self, uvicorn_server, thread, host: str, port: int, model: str, placed=None,
-                 warmup: bool = False):
+                 warmup: bool = False, owns_placed: bool = False):
         self._server, self._thread, self.warmup = uvicorn_server, thread, warmup
+        self._owns_placed = owns_placed  # serve() wrapped a PlacedModel: close() ends it too
         self.host, self.port, self.model, self.placed = host, port, model, placed
         self.url = f"http://{host if ':' not in host else f'[{host}]'}:{port}/v1"
 
@@ -277,8 +290,11 @@ class Server:
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop accepting requests and end the server thread (within ``timeout`` s); drops the
-        shapes its model still had queued to compile."""
-        if self.warmup:
+        shapes its model still had queued to compile (and its healing, when ``serve`` was
+        given a split placement)."""
+        if self._owns_placed:
+            self.placed.close()
+        elif self.warmup:
             self.placed.cancel_warmup()
         self._server.should_exit = True
         self._thread.join(timeout)
@@ -299,7 +315,7 @@ class Server:
 
 
 def serve(placed, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None, *,
-          model: str | None = None, warmup: bool = True) -> Server:
+          model: str | None = None, warmup: bool = True, heal: bool = True) -> Server:
     """Serve ``placed`` (a ``PlacedModel`` or ``ReplicatedModel``) over OpenAI's HTTP API.
 
     Parameters
@@ -322,6 +338,13 @@ def serve(placed, host: str = "127.0.0.1", port: int = 0, api_key: str | None = 
         use). Requests are served at once all the same: each waits at most for the one shape
         compiling in its lane. ``/health`` counts the shapes still to compile (``warming``)
         and names an error that stopped it (``warm_error``).
+    heal : bool
+        Place a lost copy again once its workers answer (a worker restarted on the same
+        address), warm it and put it back in rotation: ``ReplicatedModel.heal``, which this
+        sets on a replicated model. A split placement is one copy: while it is down, requests
+        get a 503 with ``Retry-After``. ``/health`` gives each copy's ``state`` (``serving``,
+        ``lost``, ``restoring``), ``lost_at`` and ``restored_at``. False: a lost copy stays
+        lost.
 
     Returns
     -------
@@ -336,7 +359,10 @@ def serve(placed, host: str = "127.0.0.1", port: int = 0, api_key: str | None = 
     'http://127.0.0.1:40213/v1'
     """
     _check(host, port, api_key)
-    replicated = _as_replicated(placed)
+    if not isinstance(heal, bool):
+        raise ServeError(f"heal={heal!r}: expected True or False")
+    replicated = _as_replicated(placed, heal)
+    owns = replicated is not placed
     if replicated.tokenizer is None:
         raise ServeError("this placed model has no tokenizer: the endpoint speaks text")
     name = model or replicated.name or "tfnb"
@@ -346,6 +372,8 @@ def serve(placed, host: str = "127.0.0.1", port: int = 0, api_key: str | None = 
         raise ServeError(f"warmup={warmup!r}: expected True or False")
     import uvicorn
 
+    if not owns:
+        replicated.heal(heal)
     if warmup:  # queued before the server starts: a model that cannot run fails here
         replicated.warmup(WARM_MODES, wait=False)
     endpoint = _Endpoint(replicated, name, api_key)
@@ -355,7 +383,9 @@ def serve(placed, host: str = "127.0.0.1", port: int = 0, api_key: str | None = 
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        if warmup:
+        if owns:
+            replicated.close()
+        elif warmup:
             replicated.cancel_warmup()
         raise ServeError(f"cannot listen on {host}:{port} ({e.strerror}): expected a free port "
                          "on an address of this machine") from None
@@ -372,8 +402,10 @@ def serve(placed, host: str = "127.0.0.1", port: int = 0, api_key: str | None = 
         server.should_exit = True
         thread.join(START_TIMEOUT_S)
         sock.close()
-        if warmup:
+        if owns:
+            replicated.close()
+        elif warmup:
             replicated.cancel_warmup()
         raise ServeError(f"the endpoint did not start within {START_TIMEOUT_S} s")
     return Server(server, thread, host, sock.getsockname()[1], name, placed=replicated,
-                  warmup=warmup)
+                  warmup=warmup, owns_placed=owns)
