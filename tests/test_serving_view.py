@@ -10,7 +10,12 @@ import pytest
 import tfnb
 from tfnb.models import tiny
 from tfnb.notebook.widgets import ServingView
-from tfnb.notebook.widgets.serving_view import ServingText, ServingViewError, serving_text
+from tfnb.notebook.widgets.serving_view import (
+    ServingText,
+    ServingViewError,
+    serving_html,
+    serving_text,
+)
 
 from tests.test_replicas import concurrently
 
@@ -226,3 +231,14 @@ def test_status_as_text_names_each_replica_and_lane():
         "#4 4/50, #5 5/50, +3 more, 2 waiting",
         "  replica 1 on worker:1/CPU:0 (lost: worker gone)",
         "    lane 0: 0/16 rows in use, 0 in flight, 2 waiting"]
+
+
+def test_a_copy_being_restored_says_so_in_text_and_html():
+    status = {"model": "m", "in_flight": 0, "recent": [], "requests": [], "replicas": [
+        {"replica": r, "devices": [f"/job:worker/replica:0/task:{r}/device:CPU:0"],
+         "state": state, "lost": None, "requests": [], "lanes": []}
+        for r, state in ((0, "serving"), (1, "restoring"))]}
+    assert serving_text(status).splitlines()[1:] == [
+        "  replica 0 on worker:0/CPU:0", "  replica 1 on worker:1/CPU:0 (restoring)"]
+    html_text = serving_html(status)
+    assert html_text.count("restoring") == 1 and "serving</span>" not in html_text

@@ -121,8 +121,10 @@ def serving_html(status: dict) -> str:
     for rep in status["replicas"]:
         where = ", ".join(short_device(d) for d in rep["devices"])
         title = f"replica {rep['replica']} on {html.escape(where)}"
-        if rep.get("lost"):
-            title += f" <span style='color:#c00'>lost: {html.escape(rep['lost'])}</span>"
+        if rep.get("lost") or rep.get("state", "serving") != "serving":
+            why = f": {rep['lost']}" if rep.get("lost") else ""
+            title += (f" <span style='color:#c00'>{html.escape(rep.get('state', 'lost'))}"
+                      f"{html.escape(why)}</span>")
         lanes = _table(["lane", "rows in use", "waiting", "slot", "steps"], [
             [str(ln["lane"]), _bar(ln["rows_in_use"], ln["rows"]),
              f"{ln['waiting']} ({ln['waiting_rows']} rows)" if ln["waiting"] else "0",
@@ -170,7 +172,9 @@ def serving_text(status: dict) -> str:
              f"on {len(status['replicas'])} replica(s)"]
     for rep in status["replicas"]:
         where = ", ".join(short_device(d) for d in rep["devices"])
-        lost = f" (lost: {rep['lost']})" if rep.get("lost") else ""
+        state = rep.get("state", "lost" if rep.get("lost") else "serving")
+        lost = (f" ({state}: {rep['lost']})" if rep.get("lost")
+                else f" ({state})" if state != "serving" else "")
         lines.append(f"  replica {rep['replica']} on {where}{lost}")
         for ln in rep["lanes"]:
             running = [r for r in rep["requests"] if r["lane"] == ln["lane"]]
