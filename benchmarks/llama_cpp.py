@@ -5,9 +5,9 @@ sources inside; no network beyond the package index).
 ``ggml-rpc-server`` and ``llama-server`` (about 10 minutes on 2 cores) into ``$TFNB_LLAMA_CPP``
 (default ``~/.cache/tfnb/llama.cpp``); a finished build of the same configuration is reused.
 ``build(CONFORMANCE)`` builds the tools ``benchmarks/conformance.py`` uses instead.
-``bench()`` runs ``llama-bench`` and returns its generation tokens/s; ``server()`` runs
-``llama-server`` (its continuous batching over ``parallel`` slots, optionally over RPC servers)
-on loopback.
+``bench()`` runs ``llama-bench`` and returns its generation tokens/s; ``system_info()`` gives
+the CPU features the build uses; ``server()`` runs ``llama-server`` (its continuous batching
+over ``parallel`` slots, optionally over RPC servers) on loopback.
 
 Run ``python benchmarks/llama_cpp.py`` to build ahead of a benchmark.
 """
@@ -76,17 +76,31 @@ def build(targets: tuple[str, ...] = TARGETS) -> str:
 
 
 def bench(model_path: str, threads: int, n_gen: int = 48, n_prompt: int = 0,
-          cpus: str | None = None, rpc: str | None = None) -> float:
-    """Generation tokens/s of ``llama-bench`` (one sequence), mean of 3 runs."""
+          cpus: str | None = None, rpc: str | None = None, repeat: int = 3,
+          best: bool = False) -> float:
+    """Generation tokens/s of ``llama-bench`` (one sequence): the mean of ``repeat`` runs, or
+    the fastest of them with ``best``."""
     cmd = [_bin("llama-bench"), "-m", model_path, "-t", str(threads), "-n", str(n_gen),
-           "-p", str(n_prompt), "-r", "3", "-o", "json"]
+           "-p", str(n_prompt), "-r", str(repeat), "-o", "json"]
     if rpc:
         cmd += ["--rpc", rpc, "-ngl", "99"]
     if cpus:
         cmd = ["taskset", "-c", cpus] + cmd
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600).stdout
-    rows = json.loads(out)
-    return float(rows[-1]["avg_ts"])
+    row = json.loads(out)[-1]
+    return float(max(row["samples_ts"]) if best else row["avg_ts"])
+
+
+def system_info() -> str:
+    """llama.cpp's system-info line (``CPU : AVX2 = 1 | ...``, the code its build runs), from
+    the built ``libllama`` in a separate process."""
+    code = ("import ctypes, sys; lib = ctypes.CDLL(sys.argv[1]); "
+            "lib.llama_print_system_info.restype = ctypes.c_char_p; "
+            "print(lib.llama_print_system_info().decode())")
+    lib = os.path.join(ROOT, "build", "bin", "libllama.so")
+    out = subprocess.run([sys.executable, "-c", code, lib], check=True, capture_output=True,
+                         text=True, timeout=60).stdout
+    return out.strip().rstrip("|").strip()
 
 
 @contextlib.contextmanager
