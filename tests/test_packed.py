@@ -557,6 +557,32 @@ def test_packed_tensor_reads_as_its_float_values():
     assert isinstance(mixed, np.ndarray) and mixed.shape == (64, 12)
 
 
+@pytest.mark.parametrize("kinds,common", [(("Q5_0", "Q5_0", "Q8_0"), "Q8_0"),
+                                          (("Q4_0", "Q8_0"), "Q8_0"), (("Q4_1", "Q5_1"), "Q5_1")])
+def test_matrices_of_types_one_holds_exactly_fuse_packed_in_that_type(kinds, common):
+    """llama-quantize's mixes give a block's q and k one type and its v another (Q4_K_M:
+    Q5_0 and Q8_0): fused, they stay packed, value for value, instead of becoming float32."""
+    rng = np.random.default_rng(7)
+    parts, refs = [], []
+    for i, name in enumerate(kinds):
+        if name in _SCALES:
+            w_MxR, ref_MxC = random_blocks(rng, 3 + i, 64, name)
+        else:
+            w_MxR, ref_MxC = packed_rows(rng.standard_normal((3 + i, 64)).astype(np.float32),
+                                         name)
+        parts.append(PackedTensor(w_MxR, kernels.QTYPES[name], 64))
+        refs.append(ref_MxC.T)
+    fused = fuse_rows(parts)
+    assert isinstance(fused, PackedTensor) and fused.qtype_name == common
+    assert np.array_equal(np.asarray(fused), np.concatenate(refs, 1))
+    # a pair no type holds exactly (Q5_1 has a min, Q8_0 none) still goes to float32
+    q51, _ = random_blocks(rng, 2, 64, "Q5_1")
+    q80, _ = packed_rows(rng.standard_normal((2, 64)).astype(np.float32), "Q8_0")
+    mixed = fuse_rows([PackedTensor(q51, kernels.QTYPES["Q5_1"], 64),
+                       PackedTensor(q80, kernels.QTYPES["Q8_0"], 64)])
+    assert isinstance(mixed, np.ndarray) and mixed.shape == (64, 4)
+
+
 # ---------------------------------------------------------------- packed models
 
 

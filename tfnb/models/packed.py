@@ -22,8 +22,8 @@ import numpy as np
 
 from tfnb.kernels import QTYPES, row_bytes
 
-__all__ = ["PackedTensor", "QTYPES", "QTYPE_NAMES", "fuse_rows", "weight_nbytes", "packed_like",
-           "quantize_rows"]
+__all__ = ["PackedTensor", "QTYPES", "QTYPE_NAMES", "fuse_rows", "widened", "weight_nbytes",
+           "packed_like", "quantize_rows"]
 
 QTYPE_NAMES = {v: k for k, v in QTYPES.items()}
 
@@ -98,12 +98,59 @@ class PackedTensor:
 
 def fuse_rows(parts: list) -> PackedTensor | np.ndarray:
     """Kernel matrices side by side (``[a | b | c]`` on the output axis): one ``PackedTensor``
-    (their rows stacked) when all are packed in the same type, else a float32 array."""
+    (their rows stacked) when all are packed in one type, or in types that one of them holds
+    exactly (``widened``: Q4_0 and Q5_0 in Q8_0, Q4_1 in Q5_1, as llama-quantize's mixes pair
+    them); else a float32 array.
+
+    Examples
+    --------
+    >>> q8 = PackedTensor(np.zeros((2, 34), np.uint8), QTYPES["Q8_0"], 32)
+    >>> q5 = PackedTensor(np.zeros((3, 22), np.uint8), QTYPES["Q5_0"], 32)
+    >>> fuse_rows([q5, q8])
+    PackedTensor(Q8_0, shape=(32, 5), 170 bytes)
+    """
     if all(isinstance(p, PackedTensor) and p.transposed for p in parts) \
-            and len({(p.qtype, p.cols) for p in parts}) == 1:
-        return PackedTensor(np.concatenate([p.data for p in parts], axis=0), parts[0].qtype,
-                            parts[0].cols)
+            and len({p.cols for p in parts}) == 1:
+        qtypes = {p.qtype for p in parts}
+        common = next((t for t in (parts[0].qtype, *qtypes)
+                       if all(q == t or (q, t) in _WIDEN for q in qtypes)), None)
+        if common is not None:
+            return PackedTensor(np.concatenate([widened(p, common) for p in parts], axis=0),
+                                common, parts[0].cols)
     return np.concatenate([np.asarray(p, np.float32) for p in parts], axis=1)
+
+
+_Q = QTYPES
+_WIDEN = {(_Q["Q4_0"], _Q["Q8_0"]), (_Q["Q5_0"], _Q["Q8_0"]), (_Q["Q4_1"], _Q["Q5_1"])}
+
+
+def widened(p: PackedTensor, qtype: int) -> np.ndarray:
+    """``p``'s blocks rewritten in ``qtype``, value for value (a pair of ``_WIDEN``): the same
+    float16 scale (and min), the codes re-centred or given a zero fifth bit.
+
+    Examples
+    --------
+    >>> q4 = np.zeros((1, 18), np.uint8); q4[0, 1] = 0x3c; q4[0, 2] = 0x9f   # d = 1, q0 = 15
+    >>> widened(PackedTensor(q4, QTYPES["Q4_0"], 32), QTYPES["Q8_0"])[0, 2:5].view(np.int8)
+    array([ 7, -8, -8], dtype=int8)
+    """
+    if p.qtype == qtype:
+        return p.data
+    blocks = p.data.reshape(p.rows, -1, row_bytes(p.qtype, 32))
+    n = blocks.shape[:2]
+    if p.qtype == _Q["Q4_1"]:  # d, m, then a zero fifth bit for every value, then the nibbles
+        out = np.concatenate([blocks[..., :4], np.zeros((*n, 4), np.uint8), blocks[..., 4:]], -1)
+        return out.reshape(p.rows, -1)
+    codes = blocks[..., -16:]
+    q_Nx32 = np.concatenate([codes & 0x0F, codes >> 4], -1).astype(np.int16)  # value j, j + 16
+    if p.qtype == _Q["Q5_0"]:
+        high = np.unpackbits(blocks[..., 2:6], axis=-1, bitorder="little")  # bit j of value j
+        q_Nx32 = q_Nx32 | (high.astype(np.int16) << 4)
+        q_Nx32 -= 16
+    else:  # Q4_0
+        q_Nx32 -= 8
+    out = np.concatenate([blocks[..., :2], q_Nx32.astype(np.int8).view(np.uint8)], -1)
+    return out.reshape(p.rows, -1)
 
 
 def weight_nbytes(w) -> int:
