@@ -109,6 +109,19 @@ def ipython():
     return shell
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    """The run is over: the TF functions still alive are freed as the process ends, after the
+    test workers were stopped, and each would ask every worker of the last connected cluster to
+    remove it ("Failed to remove function remotely", four lines per function and worker, some
+    thousand lines after the summary). tfnb skips those requests at exit
+    (``tflog.skip_remote_cleanup_at_exit``); here they are skipped from now on, since pytest
+    frees much of it before the interpreter's exit handlers run."""
+    from tfnb.cluster.tflog import skip_remote_cleanup_now
+
+    skip_remote_cleanup_now()
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """One line at the end: how many tests skipped, grouped by reason (machines differ: root,
     ``ip netns``, nftables, chromium), so two runs can be compared at a glance."""

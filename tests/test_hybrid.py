@@ -29,7 +29,8 @@ def setup(four_workers):
     cap = int(0.6 * sum(stage_memory(model.chain, 1, 1024)))
     plan = tfnb.plan(model, cluster, mode="replicate", calibrate=False, max_memory=cap)
     placed = tfnb.place(model, plan, cluster)
-    return cluster, plan, placed, expected
+    yield cluster, plan, placed, expected
+    placed.close()  # its healer stops with the test
 
 
 def test_each_copy_is_a_pipeline_over_two_workers_and_requests_use_both(setup):

@@ -180,8 +180,12 @@ class Cluster:
         self._holders = keep
         return lost
 
-    def reconnect(self, timeout: float | None = None) -> dict:
+    def reconnect(self, timeout: float | None = None, *, only_if_current: bool = False) -> dict:
         """Connect again after workers restarted; returns which restarted and what was lost.
+
+        With ``only_if_current``, a cluster that another ``connect`` replaced is left as it is
+        (NotConnectedError): a background caller (a replicated model's healer) must not take the
+        process back from a cluster connected since it looked.
 
         Examples
         --------
@@ -192,6 +196,9 @@ class Cluster:
         # one reconnect at a time: a replicated model's healer (tfnb.runtime.replicas) may
         # reconnect from its thread while the user does; the second then finds nothing restarted
         with _lock:
+            if only_if_current and _current is not self:
+                raise NotConnectedError("another cluster was connected since: this one is "
+                                        "not connected again")
             results = probe_all(self.spec.addresses, t)
             if any(r.state != "up" for r in results):
                 raise _unreachable(results, t)

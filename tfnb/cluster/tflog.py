@@ -131,10 +131,12 @@ def skip_remote_cleanup_at_exit() -> None:
     if _skip_registered:
         return
     _skip_registered = True
-    atexit.register(_skip_remote_cleanup)
+    atexit.register(skip_remote_cleanup_now)
 
 
-def _skip_remote_cleanup() -> None:
+def skip_remote_cleanup_now() -> None:
+    """From now on, freeing a ``tf.function`` does not ask the workers to remove it (for a
+    process that is ending, or whose workers are all gone)."""
     mod = sys.modules.get("tensorflow.python.eager.polymorphic_function.atomic_function")
     if mod is not None and hasattr(mod, "RUNTIME_FUNCTION_REFS"):
         mod.RUNTIME_FUNCTION_REFS = None
