@@ -22,7 +22,8 @@ def setup(own_cluster):
     expected = {p: single.generate_ids(p, max_new_tokens=24) for p in PROMPTS}
     plan = tfnb.plan(model, cluster, mode="replicate", calibrate=False)
     placed = tfnb.place(model, plan, cluster)
-    return cluster, model, placed, expected
+    yield cluster, model, placed, expected
+    placed.close()  # its healer stops: a copy it restores must not outlive the test
 
 
 def concurrently(fn, items):
@@ -117,55 +118,88 @@ def test_a_request_keeps_its_tries_when_its_first_replica_is_dropped(own_workers
         cluster.reconnect()
 
 
-def test_a_request_whose_chunks_reached_its_caller_fails_instead_of_running_again(own_workers,
-                                                                                    setup):
-    """A retry on the other replica would hand the caller's ``on_chunk`` the same tokens a
-    second time: once a chunk reached it, a lost replica fails the request instead."""
+def test_a_request_whose_chunks_reached_its_caller_continues_on_the_other_copy(own_workers,
+                                                                              setup):
+    """Its first chunk is out when its copy's worker dies: the rest is made on the other copy
+    from the prompt and the tokens made so far, so ``on_chunk`` sees every chunk once and the
+    tokens are those of a run without the fault."""
     cluster, model, placed, expected = setup
-    for p in PROMPTS[:2]:
-        placed.generate_ids(p, max_new_tokens=24)
-    seen, lost = [], []
     eos, placed.eos_ids = placed.eos_ids, ()  # the request runs long after its first chunk
+    whole = placed.generate_ids(PROMPTS[3], max_new_tokens=120, chunk_tokens=4)
+    seen, lost = [], []
 
     def on_chunk(event):
-        seen.append(event.index)
+        seen.append((event.index, event.new_ids[0]))
         if not lost:  # the first chunk is out: its replica's worker dies
             lost.append(next(i for i, d in enumerate(cluster.devices) if placed.in_flight[d]))
             own_workers.kill(lost[0])
 
     try:
         with pytest.warns(ReplicaLostWarning):
-            with pytest.raises(WorkerLostError):
-                placed.generate_ids(PROMPTS[3], max_new_tokens=200, chunk_tokens=4,
-                                    on_chunk=on_chunk)
-        assert seen == sorted(set(seen)) and seen[0] == 0, seen  # no chunk handed over twice
+            got = placed.generate_ids(PROMPTS[3], max_new_tokens=120, chunk_tokens=4,
+                                      on_chunk=on_chunk)
+        assert got == whole
+        assert [i for i, _ in seen] == list(range(len(seen)))  # no chunk handed over twice
+        assert [t for _, ids in seen for t in ids] == whole
+        assert placed.last_stats["moves"] == 1
     finally:
         placed.eos_ids = eos
         own_workers.restart(lost[0] if lost else 1)
         cluster.reconnect()
 
 
+@pytest.mark.parametrize("sampling", [{}, {"do_sample": True, "temperature": 0.8, "seed": 7}],
+                         ids=["greedy", "seeded-sample"])
+def test_a_stream_survives_its_copys_loss_with_the_same_tokens(own_workers, setup, sampling):
+    """A stream through the router whose copy is lost mid-way goes on on the other copy; the
+    caller reads one stream with the tokens of a run without the fault (a seeded sample too:
+    each token's random numbers are keyed by its position)."""
+    cluster, model, placed, expected = setup
+    eos, placed.eos_ids = placed.eos_ids, ()
+    whole = placed.generate_ids(PROMPTS[4], max_new_tokens=100, **sampling)
+    stream = placed.generate_ids(PROMPTS[4], max_new_tokens=100, stream=True, chunk_tokens=4,
+                                 **sampling)
+    pieces = [next(stream)]
+    victim = next(i for i, d in enumerate(cluster.devices) if placed.in_flight[d])
+    own_workers.kill(victim)
+    try:
+        with pytest.warns(ReplicaLostWarning, match=f"task:{victim}"):
+            pieces += list(stream)
+        assert [t for p in pieces for t in p] == whole
+        assert placed.devices == [cluster.devices[1 - victim]]
+    finally:
+        placed.eos_ids = eos
+        own_workers.restart(victim)
+        cluster.reconnect()
+
+
 def test_a_request_outlasts_failures_that_leave_its_replica_serving(setup, monkeypatch):
     """Right after a worker's loss, calls on a replica whose workers answer can fail too (an
-    unconfirmed WorkerLostError; test_faults shows TF doing it). The request runs again after
+    unconfirmed WorkerLostError; test_faults shows TF doing it). The request goes on after
     a pause that doubles each time, up to SPARE_TRIES times, and the replica keeps serving;
     a request that fails on every try gives up with the error. The failures are injected at
-    the replica's generate_ids: TF gives them only by chance, in a worker's dying moments."""
+    the replica's scheduler (each ticket it hands out fails at its first event): TF gives
+    them only by chance, in a worker's dying moments."""
     from tfnb.runtime.replicas import SETTLE_S, SPARE_TRIES
 
     cluster, model, placed, expected = setup
     first = placed.replicas[0]
-    real, failed = first.generate_ids, []
+    real, failed = first.scheduler.submit, []
 
     def failing(times):
-        def generate_ids(prompts, **options):
+        def submit(*args, **kwargs):
+            ticket = real(*args, **kwargs)
             if len(failed) < times:
                 failed.append(time.monotonic())
-                raise WorkerLostError("generate failed while task:7 is lost", confirmed=False)
-            return real(prompts, **options)
-        return generate_ids
 
-    monkeypatch.setattr(first, "generate_ids", failing(3))
+                def fail(timeout):
+                    raise WorkerLostError("generate failed while task:7 is lost",
+                                          confirmed=False)
+                ticket.next = fail
+            return ticket
+        return submit
+
+    monkeypatch.setattr(first.scheduler, "submit", failing(3))
     with warnings.catch_warnings():
         warnings.simplefilter("error", ReplicaLostWarning)
         assert placed.generate_ids(PROMPTS[0], max_new_tokens=24) == expected[PROMPTS[0]]
@@ -174,7 +208,7 @@ def test_a_request_outlasts_failures_that_leave_its_replica_serving(setup, monke
     assert gaps[0] >= SETTLE_S and gaps[1] >= 2 * SETTLE_S, gaps
 
     failed.clear()
-    monkeypatch.setattr(first, "generate_ids", failing(100))
+    monkeypatch.setattr(first.scheduler, "submit", failing(100))
     with pytest.raises(WorkerLostError, match="task:7"):
         placed.generate_ids(PROMPTS[0], max_new_tokens=24)
     assert len(failed) == 1 + SPARE_TRIES and len(placed.replicas) == 2

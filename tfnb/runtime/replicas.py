@@ -10,13 +10,13 @@ flight, and queue on a replica only when every replica is busy.
 
 Each replica is registered with the cluster on its own, so a worker restart marks only the
 replicas it held as lost. A replica whose worker is lost is dropped with a
-:class:`ReplicaLostWarning` and the others keep serving. A request that was running on it is
-retried on another replica when nothing of it reached the caller yet (it returns its result at
-the end, and no chunk event had been handed to an ``on_chunk`` callback), with one try per
-replica, and a few more, spaced out, for the moments after a loss when a surviving replica's
-call fails too though its workers answer; otherwise, and for a stream, it fails with
-``WorkerLostError``, since part of its output may have been shown. With no replica left, a
-request fails with ``WorkerLostError``.
+:class:`ReplicaLostWarning` and the others keep serving. A request that was running on it goes
+on on another replica from where it stopped, streams included: its prompt plus the tokens made
+so far become the new prompt, with what is left of its budget and the same sampling
+(``GenerateSession.failover``), so its caller sees one uninterrupted run, with the tokens a run
+without the fault gives. It has one try per replica, and a few more, spaced out, for the
+moments after a loss when a surviving replica's call fails too though its workers answer. With
+no replica left, a request fails with ``WorkerLostError``.
 
 A lost copy rejoins (healing, on unless ``heal(False)``): a background thread notices its workers
 answering again (restarted on the same address), reconnects the cluster, places the copy anew
@@ -38,7 +38,7 @@ import time
 import warnings
 import weakref
 
-from tfnb.errors import WorkerLostError
+from tfnb.errors import NotConnectedError, WorkerLostError
 from tfnb.names import short_device
 from tfnb.runtime.faults import PROBE_TIMEOUT_S, call_with_deadline
 from tfnb.runtime.placed import PlacedModel, serving_summary, warm_up
@@ -62,6 +62,13 @@ class ReplicaLostWarning(UserWarning):
 
 class ReplicaRestoredWarning(UserWarning):
     """A lost replica was placed again on its restarted workers and takes requests again."""
+
+
+class _Tries:
+    """What a request has left of its tries (see ``ReplicatedModel._next_copy``)."""
+
+    def __init__(self, copies: int):
+        self.left, self.spare = copies, SPARE_TRIES
 
 
 class _Copy:
@@ -90,6 +97,8 @@ class ReplicatedModel:
         The replicated plan this placement applied.
     healing : bool
         Whether a lost copy is placed again once its workers answer (``heal``; on by default).
+    moved : int
+        Times a request went on on another copy after its own failed.
     """
 
     def __init__(self, replicas: list[PlacedModel], plan=None, *, heal: bool = True):
@@ -102,6 +111,7 @@ class ReplicatedModel:
         self._in_flight = {id(r): 0 for r in replicas}
         self.served = {r.devices[0]: 0 for r in replicas}
         self.last_stats: dict | None = None
+        self.moved = 0  # times a request went on on another copy after its copy failed
         self._copies = [_Copy(r) for r in replicas]
         self._warm_asked: tuple | None = None  # (modes, prompt_tokens) of warmup(), for healing
         from tfnb.cluster.connect import current
@@ -192,61 +202,70 @@ class ReplicatedModel:
                 self._drop(replica, str(error).split(";")[0])
 
     def _route(self, method: str, prompts, options: dict):
-        if options.get("stream"):
-            replica = self._pick()
-            return self._stream(replica, method, prompts, options)
-        # One try per replica, counted from the start: a request whose replica was dropped
-        # keeps its tries for the others. Right after a worker dies, a surviving replica's call
-        # can fail too, though its workers answer (TF errors from the dying calls reach calls on
-        # other workers: "recvmsg:Connection reset by peer", "failed to connect to all
-        # addresses" naming the dead worker's port, InvalidArgumentError "Unable to find the
-        # relevant tensor remote_handle"; faults.call_with_deadline). Such a failure leaves the
-        # replica serving (unconfirmed), and the request gets up to SPARE_TRIES more, each after
-        # a pause that lets the failure settle. Four workers, task:3 killed under four requests
-        # (tests/test_hybrid.py): up to 2 such failures in a row; with one spare try, 1 round
-        # in 8 failed a request; with these, none in 10.
-        tries, spare = len(self.replicas), SPARE_TRIES
-        while True:
-            replica = self._pick()
-            try:
-                result = getattr(replica, method)(prompts, **options)
-            except WorkerLostError as e:
-                self._done(replica, e)
-                serving = replica.lost is None  # its workers answer: a passing failure
-                if serving:
-                    spare -= 1
-                else:
-                    tries -= 1
-                if e.reached_caller or tries <= 0 or spare < 0 or \
-                        not any(r.lost is None for r in self.replicas):
-                    raise
-                if serving:
-                    time.sleep(SETTLE_S * 2 ** (SPARE_TRIES - 1 - spare))
-                continue
-            except BaseException as e:
-                self._done(replica, e)
-                raise
-            self._done(replica, None)
-            return result
-
-    def _stream(self, replica, method, prompts, options):
+        """Run a generate call on the least loaded copy; when that copy fails, its unfinished
+        rows continue on another (``GenerateSession.failover``), streams included."""
+        tries = _Tries(len(self.replicas))
+        replica = self._pick()
         try:
-            chunks = getattr(replica, method)(prompts, **options)  # checks the arguments now
-        finally:
+            session = replica._session(prompts, options, text=method != "generate_ids")
+        except BaseException as e:
+            self._done(replica, e, served=False)  # a bad argument, or a copy lost just now
+            raise
+        session.failover = lambda old, error: self._next_copy(old, error, tries)
+        if session.request.stream:
             self._done(replica, None, served=False)  # a stream counts while it is read
-        return self._streamed(replica, chunks)
+            return self._streamed(session)
+        try:
+            session.run_ids()
+        except BaseException as e:
+            self._done(session.pm, e)
+            raise
+        self._done(session.pm, None)
+        if method == "generate_ids":
+            return session.ids[0] if session.single else session.ids
+        texts = session._texts()
+        return texts[0] if session.single else texts
 
-    def _streamed(self, replica, chunks):
+    def _next_copy(self, old: PlacedModel, error: WorkerLostError, tries: _Tries):
+        """The copy a failed request continues on, or ``error`` raised when none is left.
+
+        One try per copy, counted from the start: a request whose copy was dropped keeps its
+        tries for the others. Right after a worker dies, a surviving copy's call can fail too,
+        though its workers answer (TF errors from the dying calls reach calls on other workers:
+        "recvmsg:Connection reset by peer", "failed to connect to all addresses" naming the dead
+        worker's port, InvalidArgumentError "Unable to find the relevant tensor remote_handle";
+        faults.call_with_deadline). Such a failure leaves the copy serving (unconfirmed), and
+        the request gets up to SPARE_TRIES more, each after a pause that lets the failure
+        settle. Four workers, task:3 killed under four requests (tests/test_hybrid.py): up to 2
+        such failures in a row; with one spare try, 1 round in 8 failed a request; with these,
+        none in 10."""
+        self._done(old, error)
+        serving = old.lost is None  # its workers answer: a passing failure
+        if serving:
+            tries.spare -= 1
+        else:
+            tries.left -= 1
+        if tries.left <= 0 or tries.spare < 0 or not any(r.lost is None for r in self.replicas):
+            raise error
+        if serving:
+            time.sleep(SETTLE_S * 2 ** (SPARE_TRIES - 1 - tries.spare))
+        copy = self._pick()
         with self._lock:
-            self._in_flight[id(replica)] = self._in_flight.get(id(replica), 0) + 1
+            self.moved += 1
+        return copy
+
+    def _streamed(self, session):
+        """The stream of ``session``, counted in flight on the copy it runs on while read."""
+        with self._lock:
+            self._in_flight[id(session.pm)] = self._in_flight.get(id(session.pm), 0) + 1
         error = None
         try:
-            yield from chunks
+            yield from (session.iter_text() if session.text else session.iter_ids())
         except BaseException as e:
             error = e
             raise
         finally:
-            self._done(replica, error)
+            self._done(session.pm, error)
 
     # ----- status ----------------------------------------------------------------------------
 
@@ -257,7 +276,8 @@ class ReplicatedModel:
         returned, queued ones included), ``finished`` (its count in ``served``), ``state``
         (``serving``, ``lost`` or ``restoring``), ``lost_at`` and ``restored_at`` (the last
         times it was dropped and put back, ``time.time()``, or None) and ``heal_error`` (why
-        the last try to restore it failed, or None).
+        the last try to restore it failed, or None); ``moved`` counts the times a request went
+        on on another copy after its own failed.
 
         Examples
         --------
@@ -279,7 +299,7 @@ class ReplicatedModel:
                         heal_error=heal_error)
             parts.append(part)
         status = serving_summary(self.name, parts)
-        status["healing"] = self._healing
+        status["healing"], status["moved"] = self._healing, self.moved
         return status
 
     # ----- healing ---------------------------------------------------------------------------
@@ -352,8 +372,13 @@ class ReplicatedModel:
         # never held over 15 ms. Only state on the restarted worker is gone. So the copies that
         # serve go on serving; only the lost ones are placed again.
         try:
-            call_with_deadline(cluster.reconnect, (), timeout=HEAL_CALL_S,
-                               devices=cluster.devices, what="reconnecting to heal")
+            # only while this cluster is still the process's: a cluster connected since the
+            # turn began (another test, another %tfcluster) must not be undone by this reconnect
+            call_with_deadline(lambda: cluster.reconnect(only_if_current=True), (),
+                               timeout=HEAL_CALL_S, devices=cluster.devices,
+                               what="reconnecting to heal")
+        except NotConnectedError:
+            return False  # another cluster is connected: these copies' loss is final
         except Exception as e:  # noqa: BLE001 - e.g. another worker still down: next turn
             for c in ready:
                 self._failed(c, f"reconnecting failed: {type(e).__name__}: {e}")
@@ -468,11 +493,24 @@ class ReplicatedModel:
 
     def chat(self, message_or_messages, **options):
         """``PlacedModel.chat`` on the least loaded replica."""
-        return self._route("chat", message_or_messages, options)
+        return PlacedModel.chat(self, message_or_messages, **options)
 
     def logits(self, prompts):
-        """``PlacedModel.logits`` on the least loaded replica."""
-        return self._route("logits", prompts, {})
+        """``PlacedModel.logits`` on the least loaded replica (tried again on another when its
+        copy fails)."""
+        tries = _Tries(len(self.replicas))
+        replica = self._pick()
+        while True:
+            try:
+                result = replica.logits(prompts)
+            except WorkerLostError as e:
+                replica = self._next_copy(replica, e, tries)  # raises when none is left
+                continue
+            except BaseException as e:
+                self._done(replica, e)
+                raise
+            self._done(replica, None)
+            return result
 
     def __repr__(self) -> str:
         return (f"ReplicatedModel({self.name or 'llama'}: {len(self.replicas)} replicas on "

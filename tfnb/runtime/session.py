@@ -44,7 +44,16 @@ class GenerateSession:
     batched with whatever else runs there; this side collects its new tokens, checks stop
     strings, reports a ``ChunkEvent`` every ``chunk_tokens`` tokens and, when streaming,
     yields text. It uses the placed model's public surface only: ``scheduler``, ``timeout``,
-    ``compile_timeout``, ``eos_ids``, ``tokenizer`` and ``last_stats``.
+    ``compile_timeout``, ``eos_ids``, ``tokenizer``, ``lost`` and ``last_stats``.
+
+    ``failover``, when set, is asked for another placed model (a copy of the same weights)
+    when this one fails with ``WorkerLostError``: ``failover(pm, error)`` returns it, or raises
+    when there is none. The rows not finished then continue there from where they stopped: the
+    prompt plus the tokens made so far become the new prompt, and what is left of
+    ``max_new_tokens`` the new budget, with the same sampling. A seeded sample continues its
+    seed stream, since each token's random numbers are keyed by its position in its row
+    (``tfnb.runtime.graphs``); greedy rows continue as they would have. The caller sees one
+    uninterrupted run of events.
     """
 
     def __init__(self, pm, request: GenerateRequest):
@@ -60,37 +69,60 @@ class GenerateSession:
         self.finished = [False] * n
         self.stopped = [False] * n  # ended on EOS or a stop string
         self.stats: dict | None = None
+        self.failover = None
+        self.moves = 0  # times the unfinished rows continued on another copy
 
     # ----- the event loop -----------------------------------------------------------------
 
+    def _submit(self, error: WorkerLostError | None):
+        """A ticket for the rows not finished, on ``self.pm`` or (after ``error``) on the copy
+        ``failover`` gives; returns it with the session rows its rows stand for."""
+        if error is None and self.pm.lost:
+            error = WorkerLostError(self.pm.lost)
+        if error is not None:
+            if self.failover is None:
+                raise error
+            self.pm = self.failover(self.pm, error)
+            self.moves += 1
+        live = [r for r in range(len(self.rows)) if not self.finished[r]]
+        made = len(self.ids[live[0]])  # rows of one ticket advance together until they end
+        ticket = self.pm.scheduler.submit([self.rows[r] + self.ids[r] for r in live],
+                                          self.max_new - made, self.sampling, self.chunk)
+        return ticket, live
+
     def _events(self):
-        pm = self.pm
-        if pm.lost:
-            raise WorkerLostError(pm.lost)
-        ticket = pm.scheduler.submit(self.rows, self.max_new, self.sampling, self.chunk)
-        # the lane's calls have their own deadlines; this bound only guards against a lane
-        # that stopped making calls at all
-        wait = None if pm.timeout is None else pm.timeout + (pm.compile_timeout or 0) + 30
         index, start = 0, time.perf_counter()
-        first_token = None
+        first_token = ticket = first = None
         new_ids = [[] for _ in self.rows]
         try:
+            ticket, live = self._submit(None)
+            first = ticket  # the queue and first-token times count from its submission
             while not all(self.finished):
-                got, ended = ticket.next(wait)
+                # the lane's calls have their own deadlines; this bound only guards against a
+                # lane that stopped making calls at all
+                pm = self.pm
+                wait = None if pm.timeout is None else pm.timeout + (pm.compile_timeout or 0) + 30
+                try:
+                    got, ended = ticket.next(wait)
+                except WorkerLostError as e:
+                    ticket.cancel()
+                    ticket, live = self._submit(e)
+                    continue
                 if first_token is None:
                     first_token = time.perf_counter()
-                for row, ids in enumerate(got):
+                for i, ids in enumerate(got):
+                    row = live[i]
                     if self.finished[row]:
                         continue
                     self.ids[row] += ids
                     new_ids[row] += ids
-                    if ended[row]:
+                    if ended[i]:
                         self.finished[row] = True
                         self.stopped[row] = bool(ids) and ids[-1] in pm.eos_ids
                     if ids and self.stops:
                         self._check_stops(row, len(self.ids[row]) - len(ids))
                         if self.finished[row]:
-                            ticket.finish(row)
+                            ticket.finish(i)
                 over = all(self.finished)
                 if not over and not any(len(n) >= self.chunk for n in new_ids):
                     continue
@@ -109,14 +141,17 @@ class GenerateSession:
             e.reached_caller = index > 0 and (self.on_chunk is not None or self.request.stream)
             raise
         finally:
-            ticket.cancel()  # a caller that stopped reading (or Ctrl-C) frees its rows
+            if ticket is not None:
+                ticket.cancel()  # a caller that stopped reading (or Ctrl-C) frees its rows
         end = time.perf_counter()
         self.stats = {"tokens": sum(len(r) for r in self.ids), "chunks": index,
                       "seconds": end - start,
-                      "queue_s": (ticket.started or end) - ticket.submitted,
-                      "first_token_s": (first_token or end) - ticket.submitted}
+                      "queue_s": (first.started or end) - first.submitted,
+                      "first_token_s": (first_token or end) - first.submitted}
+        if self.moves:
+            self.stats["moves"] = self.moves
         self.stats["tokens_per_s"] = self.stats["tokens"] / max(end - start, 1e-9)
-        pm.last_stats = self.stats
+        self.pm.last_stats = self.stats
 
     def _check_stops(self, row: int, first_new: int) -> None:
         tok = self.pm.tokenizer

@@ -146,14 +146,16 @@ class _Endpoint:
             return self._error(e)
         alive = [r for r in self.model.replicas if r.lost is None]
         errors = [e for e in (r.scheduler.warm_error() for r in alive) if e]
+        serving = self.model.serving_status()
         copies = [{k: part[k] for k in ("replica", "devices", "state", "lost", "lost_at",
                                         "restored_at", "heal_error")}
-                  for part in self.model.serving_status()["replicas"]]
+                  for part in serving["replicas"]]
         status = 200 if alive else 503
         return JSONResponse({"status": "ok" if alive else "lost", "replicas": len(alive),
                              "warming": sum(r.scheduler.warming() for r in alive),
                              "warm_error": errors[0] if errors else None,
-                             "healing": self.model.healing, "copies": copies},
+                             "healing": self.model.healing, "moved": serving["moved"],
+                             "copies": copies},
                             status_code=status, headers=self._retry_after(status))
 
     async def models(self, request):
