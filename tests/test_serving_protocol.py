@@ -138,6 +138,8 @@ REFUSED = [
     ({"messages": [{"role": "user", "content": SURROGATE}]}, "messages",
      ["messages=", "valid Unicode"]),
     ({"messages": [{"role": "user", "content": 7}]}, "messages", ["messages=", "content"]),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "wizard", "content": "x"}]},
+     "messages[1].role", ["messages[1].role='wizard'", "'user'", "'assistant'"]),
 ]
 
 

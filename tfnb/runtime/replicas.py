@@ -52,7 +52,11 @@ SETTLE_S = 0.25   # the pause before the first of them; doubled before each next
 
 HEAL_EVERY_S = 1.0     # how often the healer looks at the copies and probes their workers
 HEAL_CALL_S = 120.0    # the bound of each cluster call the healer makes (reconnect, placing)
-HEAL_WARM_S = 120.0    # how long a restored copy may warm before it takes requests anyway
+# How long a restored copy warms before it takes requests; the shapes left compile between its
+# requests (each request waits for at most the one shape compiling). SmolLM2's 20 shapes took
+# 83 s on a quiet worker and over 120 s beside a copy serving 8 clients (bench_soak.py): waiting
+# for all of them kept the copy out for minutes.
+HEAL_WARM_S = 20.0
 HEAL_BACKOFF_S = 30.0  # the longest pause before trying again to restore a copy
 
 

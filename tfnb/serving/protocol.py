@@ -304,6 +304,10 @@ def _prompt(body: dict) -> str:
     return prompt
 
 
+# the roles OpenAI's chat API takes (a chat template would print any other as it is)
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 def _messages(body: dict) -> list:
     """A chat request's messages, their content as text."""
     messages = body.get("messages")
@@ -314,6 +318,10 @@ def _messages(body: dict) -> list:
         raise ApiError(400, f"messages={messages!r:.80}: expected a non-empty list of "
                             "{'role': str, 'content': str or a list of text parts} (valid "
                             "Unicode)", param="messages")
+    bad = next((i for i, m in enumerate(messages) if m["role"] not in ROLES), None)
+    if bad is not None:
+        raise ApiError(400, f"messages[{bad}].role={messages[bad]['role']!r:.40}: expected one "
+                            f"of {list(ROLES)}", param=f"messages[{bad}].role")
     return [{"role": m["role"], "content": t} for m, t in zip(messages, texts)]
 
 
