@@ -25,6 +25,7 @@ _LAZY = {
     "connect": "tfnb.cluster", "local": "tfnb.cluster", "current": "tfnb.cluster",
     "ExposedServerWarning": "tfnb.cluster", "LoopbackGuard": "tfnb.cluster",
     "load_model": "tfnb.models", "Model": "tfnb.models", "LayerChain": "tfnb.models",
+    "describe_model": "tfnb.models", "describe_cluster": "tfnb.placement",
     "place": "tfnb.placement", "PlacedModel": "tfnb.runtime", "ReplicatedModel": "tfnb.runtime",
     "ReplicaLostWarning": "tfnb.runtime", "ReplicaRestoredWarning": "tfnb.runtime",
     "serve": "tfnb.serving", "Server": "tfnb.serving",

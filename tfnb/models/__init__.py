@@ -9,17 +9,20 @@ Examples
 
 from tfnb.models.chain import LayerChain, Stage
 from tfnb.models.decoder import LlamaConfig, random_weights, tiny_config
+from tfnb.models.describe import FILE_TYPES, describe_model
 from tfnb.models.model import MODEL_NAMES, Model, load_model, tiny
 from tfnb.models.tokenizer import CharTokenizer, Tokenizer
 
 __all__ = [
     "CharTokenizer",
+    "FILE_TYPES",
     "LayerChain",
     "LlamaConfig",
     "MODEL_NAMES",
     "Model",
     "Stage",
     "Tokenizer",
+    "describe_model",
     "load_model",
     "random_weights",
     "tiny",

@@ -294,11 +294,12 @@ class LayerChain:
                 f"({format_bytes(self.unique_param_bytes, 'MB', 2)} unique)")
 
 
-def llama_chain(config, weights: dict | None = None) -> LayerChain:
+def llama_chain(config, weights: dict | None = None, nbytes: dict | None = None) -> LayerChain:
     """Stages ``embed``, ``block.0`` ... ``block.{n-1}``, ``head`` of a llama config.
 
     Bytes are float32 sizes, or those of ``weights`` as the devices will hold them (packed
-    GGUF blocks count their packed bytes).
+    GGUF blocks count their packed bytes), or ``nbytes`` (canonical name -> bytes) for a model
+    described without its weights (:func:`tfnb.models.describe.describe_model`).
 
     Examples
     --------
@@ -307,9 +308,12 @@ def llama_chain(config, weights: dict | None = None) -> LayerChain:
     256
     """
     shapes = weight_shapes(config)
-    nbytes = {n: int(np.prod(s)) * _F32 for n, s in shapes.items()}
     if weights is not None:
         nbytes = {n: weight_nbytes(weights[n]) for n in shapes}
+    elif nbytes is not None:
+        nbytes = {n: int(nbytes[n]) for n in shapes}
+    else:
+        nbytes = {n: int(np.prod(s)) * _F32 for n, s in shapes.items()}
     d, hd = config.hidden_size, config.head_dim
 
     def matmul_flops(names):

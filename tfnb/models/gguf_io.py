@@ -53,13 +53,13 @@ import numpy as np
 
 from tfnb.errors import ModelError
 from tfnb.models.decoder import LlamaConfig, weight_shapes
-from tfnb.models.packed import QTYPES, PackedTensor
+from tfnb.models.packed import QTYPES, PackedTensor, held_nbytes
 from tfnb.models.progress import Reporter, silent
 from tfnb.models.tokenizer import Tokenizer, end_token_ids, tokenizer_from_gguf_fields
 from tfnb.names import format_bytes
 
-__all__ = ["read_gguf", "unpermute_rows", "permute_rows", "SUPPORTED_ARCHITECTURES",
-           "ROPE_SCALING_TYPES", "DequantizedWeightsWarning"]
+__all__ = ["read_gguf", "read_gguf_header", "unpermute_rows", "permute_rows",
+           "SUPPORTED_ARCHITECTURES", "ROPE_SCALING_TYPES", "DequantizedWeightsWarning"]
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 ROPE_SCALING_TYPES = ("none", "linear")
@@ -403,26 +403,9 @@ def _packed(tensor, config: LlamaConfig, name: str, permuted: bool):
                         transposed=name != "embed")
 
 
-def read_gguf(path, report: Reporter = silent, packed: bool = True
-              ) -> tuple[LlamaConfig, dict, Tokenizer, str]:
-    """Config, canonical weights, tokenizer and name of a GGUF file of one of
-    ``SUPPORTED_ARCHITECTURES``.
-
-    With ``packed`` every matrix in a type of ``QTYPES`` stays a ``PackedTensor``; vectors
-    (norms) and other types become float32 arrays (the latter with one
-    ``DequantizedWeightsWarning``).
-
-    Raises one ``ModelError`` for a missing, truncated or corrupt file, an unsupported
-    architecture, rope scaling, tensor, quantization or tokenizer, or a missing tensor, before
-    any weight is read where it can.
-
-    Examples
-    --------
-    >>> config, weights, tok, name = read_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")  # doctest: +SKIP
-    >>> config.n_layers  # doctest: +SKIP
-    30
-    """
-    path = os.fspath(path)
+def _open(path: str, report: Reporter = silent):
+    """``(reader, metadata)`` of a GGUF file, its tensors checked to lie inside it; the file is
+    memory-mapped and no tensor data is read."""
     if not os.path.isfile(path):
         raise ModelError(f"GGUF file {path!r} does not exist: expected a path to a .gguf file")
     report(0, 1, "reading")
@@ -438,8 +421,14 @@ def read_gguf(path, report: Reporter = silent, packed: bool = True
     except Exception as exc:  # noqa: BLE001 - gguf/numpy raise many types for a bad file
         raise ModelError(f"{path!r} is truncated or not a GGUF file ({type(exc).__name__}: "
                          f"{str(exc)[:120]}): expected a complete .gguf file") from None
-    report(1, 1, "reading")
+    return reader, meta
 
+
+def _layout(reader, meta: dict, path: str, rope: bool = True):
+    """``(config, expected, sources, permuted)`` of an opened file: its config, the canonical
+    weights' shapes, GGUF tensor -> canonical name (a fused one split later) and whether q/k
+    rows are permuted. ModelError for unsupported, missing or surplus tensors. ``rope=False``
+    leaves Llama 3's rotary factors out of the config (reading them reads tensor data)."""
     config = _config(meta, path)
     arch = meta["general.architecture"]
     names = {t.name: _canonical(t.name, arch) for t in reader.tensors}
@@ -447,11 +436,11 @@ def read_gguf(path, report: Reporter = silent, packed: bool = True
     if unknown:
         raise ModelError(f"GGUF file {path!r} has tensors {unknown[:3]} that tfnb does not "
                          f"support for architecture {arch!r}: expected only {_accepted(arch)}")
-    permuted = arch in _PERMUTED_ROPE
     config = dataclasses.replace(
         config, tie_embeddings="output.weight" not in names,
         qkv_bias=any(c.endswith((".bq", ".bk", ".bv")) for c in names.values()),
-        qk_norm=arch in _QK_NORM, rope_freq_factors=_rope_factors(reader, names, config, path))
+        qk_norm=arch in _QK_NORM,
+        rope_freq_factors=_rope_factors(reader, names, config, path) if rope else None)
     expected = weight_shapes(config)
     sources = {n: c for n, c in names.items() if c != n}  # the rotary tensors are read above
     extra = sorted((n for n, c in sources.items() if not set(_parts(c)) <= set(expected)),
@@ -472,6 +461,65 @@ def read_gguf(path, report: Reporter = silent, packed: bool = True
         raise ModelError(f"GGUF file {path!r} lacks tensors for {missing[:3]} "
                          f"({[_gguf_name(n, arch) for n in missing[:3]]}): expected a complete "
                          f"{arch} model: {_accepted(arch)}")
+    return config, expected, sources, arch in _PERMUTED_ROPE
+
+
+def read_gguf_header(path, packed: bool = True) -> tuple[LlamaConfig, dict, str]:
+    """Config, bytes per canonical weight as tfnb would hold it, and name of a GGUF file, from
+    its header and tensor table alone.
+
+    The file is memory-mapped and none of its tensor data is read, so a 40 GB file costs
+    about what its metadata does. Bytes are those :func:`read_gguf` would give the weights
+    (:func:`tfnb.models.packed.held_nbytes`): with ``packed``, matrices in a type of
+    ``QTYPES`` at their size in the file, everything else float32. The same checks of the
+    architecture and tensors as :func:`read_gguf`, except the tokenizer and the rotary factors
+    (``config.rope_freq_factors`` is None).
+
+    Examples
+    --------
+    >>> config, nbytes, name = read_gguf_header("Llama-3.1-70B.Q4_K_M.gguf")  # doctest: +SKIP
+    >>> config.n_layers, nbytes["blocks.0.wq"]  # doctest: +SKIP
+    (80, 37748736)
+    """
+    path = os.fspath(path)
+    reader, meta = _open(path)
+    config, expected, sources, _ = _layout(reader, meta, path, rope=False)
+    nbytes = {}
+    for tensor in reader.tensors:
+        if tensor.name not in sources:
+            continue
+        matrix = packed and len(tensor.shape) == 2
+        for part in _parts(sources[tensor.name]):
+            nbytes[part] = held_nbytes(tensor.tensor_type.name, int(tensor.shape[0]),
+                                       int(np.prod(expected[part])), matrix)
+    name = str(meta.get("general.name") or os.path.basename(path))
+    del reader  # drops the file's memory map
+    return config, {n: nbytes[n] for n in expected}, name
+
+
+def read_gguf(path, report: Reporter = silent, packed: bool = True
+              ) -> tuple[LlamaConfig, dict, Tokenizer, str]:
+    """Config, canonical weights, tokenizer and name of a GGUF file of one of
+    ``SUPPORTED_ARCHITECTURES``.
+
+    With ``packed`` every matrix in a type of ``QTYPES`` stays a ``PackedTensor``; vectors
+    (norms) and other types become float32 arrays (the latter with one
+    ``DequantizedWeightsWarning``).
+
+    Raises one ``ModelError`` for a missing, truncated or corrupt file, an unsupported
+    architecture, rope scaling, tensor, quantization or tokenizer, or a missing tensor, before
+    any weight is read where it can.
+
+    Examples
+    --------
+    >>> config, weights, tok, name = read_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")  # doctest: +SKIP
+    >>> config.n_layers  # doctest: +SKIP
+    30
+    """
+    path = os.fspath(path)
+    reader, meta = _open(path, report)
+    report(1, 1, "reading")
+    config, expected, sources, permuted = _layout(reader, meta, path)
     try:  # before the weights: a file that cannot load fails in seconds
         tokenizer = tokenizer_from_gguf_fields(meta)
     except ModelError:

@@ -23,7 +23,7 @@ import numpy as np
 from tfnb.kernels import QTYPES, row_bytes
 
 __all__ = ["PackedTensor", "QTYPES", "QTYPE_NAMES", "fuse_rows", "widened", "weight_nbytes",
-           "packed_like", "quantize_rows"]
+           "held_nbytes", "packed_like", "quantize_rows"]
 
 QTYPE_NAMES = {v: k for k, v in QTYPES.items()}
 
@@ -156,6 +156,24 @@ def widened(p: PackedTensor, qtype: int) -> np.ndarray:
 def weight_nbytes(w) -> int:
     """Bytes a weight takes on a device: packed bytes, or 4 per value for float32."""
     return w.nbytes if isinstance(w, PackedTensor) else int(np.prod(np.shape(w))) * 4
+
+
+def held_nbytes(type_name: str, cols: int, values: int, packed: bool = True) -> int:
+    """Bytes a weight of ``values`` values, stored in a GGUF file as ggml type ``type_name`` in
+    rows of ``cols``, takes on a device once loaded, without its data at hand: what
+    :func:`weight_nbytes` gives for it. A matrix loaded ``packed`` in a type of ``QTYPES``
+    keeps the file's rows; anything else is dequantized to float32 (4 bytes a value).
+
+    Examples
+    --------
+    >>> held_nbytes("Q4_K", 8192, 8192 * 1024)        # 1024 rows of 32 blocks of 144 bytes
+    4718592
+    >>> held_nbytes("Q4_K", 8192, 8192 * 1024, packed=False), held_nbytes("IQ4_XS", 256, 256)
+    (33554432, 1024)
+    """
+    if packed and type_name in QTYPES:
+        return values // cols * row_bytes(QTYPES[type_name], cols)
+    return 4 * values
 
 
 def packed_like(weights: dict, like: dict) -> dict:

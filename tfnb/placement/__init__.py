@@ -16,6 +16,7 @@ from tfnb.placement.measure import clear_cache, measure_topology
 from tfnb.placement.plan import Plan, PlanDiff, Segment
 from tfnb.placement.planners import (
     as_topology,
+    describe_cluster,
     greedy_assignment,
     memory_assignment,
     optimal_assignment,
@@ -24,6 +25,6 @@ from tfnb.placement.planners import (
 )
 
 __all__ = ["DEFAULT_CONTEXT_LEN", "OBJECTIVES", "PLANNERS", "PLAN_MODES", "Plan", "PlanDiff",
-           "Prediction", "Segment", "Topology", "as_topology", "clear_cache", "greedy_assignment",
-           "measure_topology", "memory_assignment", "optimal_assignment", "parse_bytes", "place",
-           "plan", "predict", "replica_groups"]
+           "Prediction", "Segment", "Topology", "as_topology", "clear_cache", "describe_cluster",
+           "greedy_assignment", "measure_topology", "memory_assignment", "optimal_assignment",
+           "parse_bytes", "place", "plan", "predict", "replica_groups"]

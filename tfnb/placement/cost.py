@@ -4,9 +4,11 @@ Per decode step of ``batch`` sequences (one new token each), a stage ``s`` on de
 
     t(s, d) = stage_times[(s, d)]                    if measured (seconds per step at this batch)
             = batch * s.flops(context_len) / flops[d]  otherwise (compute bound, no overlap)
+            = max(that, step_bytes(s) / memory_bandwidth[d])  when the topology gives the latter
 
-and a hop from device ``a`` to ``b != a`` carrying ``n`` bytes costs
-``latency[a, b] + n / bandwidth[a, b]``.
+(a decode step at a small batch does two FLOPs per weight it reads, so memory tends to set its
+time: how a described cluster predicts speed before any stage was timed), and a hop from
+device ``a`` to ``b != a`` carrying ``n`` bytes costs ``latency[a, b] + n / bandwidth[a, b]``.
 The activations leaving stage ``k`` cross when stage ``k + 1`` is elsewhere (``batch`` x
 ``act_bytes_out_per_token``); after the head, the sampled token ids (4 bytes each, sampling runs
 next to the head) return to the embedding's device for the next step.
@@ -52,8 +54,8 @@ import numpy as np
 from tfnb.errors import PlacementError
 from tfnb.names import format_bytes, short_device
 
-__all__ = ["Topology", "Prediction", "predict", "serving_rate", "parse_bytes", "short_device",
-           "TOKEN_BYTES", "DEFAULT_CONTEXT_LEN"]
+__all__ = ["Topology", "Prediction", "predict", "serving_rate", "parse_bytes", "parse_rate",
+           "step_bytes", "short_device", "TOKEN_BYTES", "DEFAULT_CONTEXT_LEN"]
 
 TOKEN_BYTES = 4            # one int32 token id per sequence returns from head to embed
 DEFAULT_CONTEXT_LEN = 1024  # context assumed when the caller gives none (KV cache and attention)
@@ -82,6 +84,20 @@ def parse_bytes(value) -> float:
                          "such as '512MB'")
 
 
+def parse_rate(value, what: str = "memory_bandwidth") -> float:
+    """Bytes per second from a number or a string such as ``"50GB/s"`` (or ``"50GB"``).
+
+    >>> parse_rate("50GB/s"), parse_rate("1.25 GB/s"), parse_rate(2e9)
+    (50000000000.0, 1250000000.0, 2000000000.0)
+    """
+    text = value.strip() if isinstance(value, str) else None
+    try:
+        return float(parse_bytes(text[:-2] if text and text.lower().endswith("/s") else value))
+    except PlacementError:
+        raise PlacementError(f"{what}={value!r}: expected bytes per second such as 5e10 or "
+                             "'50GB/s'") from None
+
+
 def _per_device(name: str, value, devices: tuple[str, ...], positive=True) -> np.ndarray:
     """A scalar, a sequence (one per device) or a dict device -> value, as a float array."""
     if isinstance(value, dict):
@@ -91,8 +107,9 @@ def _per_device(name: str, value, devices: tuple[str, ...], positive=True) -> np
             bad = f"unknown device {unknown[0]!r}" if unknown else f"no value for {missing[0]!r}"
             raise PlacementError(f"{name}: {bad}: expected one value per device of {list(devices)}")
         value = [value[d] for d in devices]
-    if name == "memory":
-        value = [parse_bytes(v) for v in value] if np.ndim(value) else parse_bytes(value)
+    parse = {"memory": parse_bytes, "memory_bandwidth": parse_rate}.get(name)
+    if parse is not None:
+        value = [parse(v) for v in value] if np.ndim(value) else parse(value)
     arr = np.broadcast_to(np.asarray(value, dtype=float), (len(devices),)).copy() \
         if np.ndim(value) == 0 or len(value) == len(devices) else None
     if arr is None:
@@ -143,6 +160,9 @@ class Topology:
     stage_times : ``{(stage, device): seconds per step}``, measured times that replace the
         FLOP-based estimate (calibration, e.g. from the runtime's per-stage timings)
     prefill_times : ``{(stage, device): seconds per prompt}``, measured prefills likewise
+    memory_bandwidth : bytes/s each device reads its memory at (``"50GB/s"`` strings allowed),
+        or None (default): a stage not timed then takes at least the time to read what it
+        reads (see the module docstring)
 
     Examples
     --------
@@ -154,7 +174,7 @@ class Topology:
     """
 
     def __init__(self, devices, memory=math.inf, flops=1e10, latency=1e-4, bandwidth=1e9,
-                 stage_times=None, prefill_times=None):
+                 stage_times=None, prefill_times=None, memory_bandwidth=None):
         devices = tuple(devices) if not isinstance(devices, str) else (devices,)
         if not devices or not all(isinstance(d, str) and d for d in devices):
             raise PlacementError(f"devices={devices!r}: expected a non-empty list of device "
@@ -169,6 +189,8 @@ class Topology:
         self.bandwidth = _matrix("bandwidth", bandwidth, len(devices), positive=True)
         self.stage_times = _times("stage_times", stage_times, devices)
         self.prefill_times = _times("prefill_times", prefill_times, devices)
+        self.memory_bandwidth = None if memory_bandwidth is None else _per_device(
+            "memory_bandwidth", memory_bandwidth, devices)
 
     # --- lookups ----------------------------------------------------------------------------
     def index(self, device: str) -> int:
@@ -188,7 +210,15 @@ class Topology:
         measured = self.stage_times.get((stage.name, self.devices[d]))
         if measured is not None:
             return measured
-        return batch * stage.flops(context_len) / float(self.flops[d])
+        return max(batch * stage.flops(context_len) / float(self.flops[d]),
+                   self.read_s(stage, d, batch, context_len))
+
+    def read_s(self, stage, d: int, batch: int = 1, context_len: int = 0) -> float:
+        """Seconds device index ``d`` takes to read what one decode step of ``stage`` reads
+        (:func:`step_bytes`) at its ``memory_bandwidth``; 0 when that is not given."""
+        if self.memory_bandwidth is None:
+            return 0.0
+        return step_bytes(stage, batch, context_len) / float(self.memory_bandwidth[d])
 
     def prefill_s(self, stage, d: int, prompt_len: int) -> float:
         """Seconds the prefill of one prompt of ``prompt_len`` tokens takes in ``stage`` on
@@ -197,13 +227,14 @@ class Topology:
         if measured is not None:
             return measured
         tokens = 1 if stage.kind == "head" else prompt_len
-        return tokens * stage.flops(prompt_len // 2) / float(self.flops[d])
+        return max(tokens * stage.flops(prompt_len // 2) / float(self.flops[d]),
+                   self.read_s(stage, d, 1, prompt_len // 2))
 
     # --- derived topologies -----------------------------------------------------------------
     def _copy(self, **changes) -> Topology:
         kw = dict(devices=self.devices, memory=self.memory, flops=self.flops,
                   latency=self.latency, bandwidth=self.bandwidth, stage_times=self.stage_times,
-                  prefill_times=self.prefill_times)
+                  prefill_times=self.prefill_times, memory_bandwidth=self.memory_bandwidth)
         kw.update(changes)
         return Topology(**kw)
 
@@ -219,7 +250,8 @@ class Topology:
         return Topology([self.devices[i] for i in idx], self.memory[idx], self.flops[idx],
                         self.latency[np.ix_(idx, idx)], self.bandwidth[np.ix_(idx, idx)],
                         {k: t for k, t in self.stage_times.items() if k[1] in keep},
-                        {k: t for k, t in self.prefill_times.items() if k[1] in keep})
+                        {k: t for k, t in self.prefill_times.items() if k[1] in keep},
+                        None if self.memory_bandwidth is None else self.memory_bandwidth[idx])
 
     def with_max_memory(self, max_memory) -> Topology:
         """A copy whose memory caps are replaced by ``max_memory``: a dict device -> bytes, or
@@ -252,6 +284,17 @@ class Topology:
         """A copy with measured ``{(stage, device): seconds per prompt}`` added."""
         return self._copy(prefill_times={**self.prefill_times, **dict(prefill_times)})
 
+    def with_memory_bandwidth(self, memory_bandwidth) -> Topology:
+        """A copy whose devices read their memory at ``memory_bandwidth``: one rate for every
+        device, one per device, or a dict device -> bytes/s such as
+        :func:`tfnb.placement.measure.memory_bandwidth` measures.
+
+        >>> Topology(["a", "b"]).with_memory_bandwidth({"a": 1e10, "b": "20GB/s"}
+        ...                                           ).memory_bandwidth.tolist()
+        [10000000000.0, 20000000000.0]
+        """
+        return self._copy(memory_bandwidth=memory_bandwidth)
+
     def classes(self) -> list[list[int]]:
         """Groups of interchangeable device indices (swapping two leaves every figure unchanged).
 
@@ -262,11 +305,12 @@ class Topology:
         n = len(self.devices)
         times = [tuple(sorted((s, t) for (s, dev), t in self.stage_times.items() if dev == d))
                  for d in self.devices]
+        reads = np.zeros(n) if self.memory_bandwidth is None else self.memory_bandwidth
         parent = list(range(n))
 
         def swappable(a, b):
-            if (self.memory[a], self.flops[a], times[a]) != \
-                    (self.memory[b], self.flops[b], times[b]):
+            if (self.memory[a], self.flops[a], reads[a], times[a]) != \
+                    (self.memory[b], self.flops[b], reads[b], times[b]):
                 return False
             perm = list(range(n))
             perm[a], perm[b] = b, a
@@ -289,9 +333,17 @@ class Topology:
         lo, hi = self.memory.min(), self.memory.max()
         mem = (f"{format_bytes(lo, 'MB')} each" if lo == hi else
                f"{format_bytes(lo, 'MB')} to {format_bytes(hi, 'MB')}")
-        g = self.flops / 1e9
-        return (f"Topology({len(self.devices)} devices: {names}{more}; {mem}; "
-                f"{g.min():.3g}-{g.max():.3g} GFLOP/s)")
+        speed = _span(self.flops / 1e9, "GFLOP/s") if np.isfinite(self.flops).all() else \
+            "FLOP/s not limiting"
+        if self.memory_bandwidth is not None:
+            speed += f"; memory {_span(self.memory_bandwidth / 1e9, 'GB/s')}"
+        return f"Topology({len(self.devices)} devices: {names}{more}; {mem}; {speed})"
+
+
+def _span(values, unit: str) -> str:
+    """``"1-2 GFLOP/s"``, or ``"50 GB/s"`` when every value is one."""
+    lo, hi = f"{values.min():.3g}", f"{values.max():.3g}"
+    return f"{lo} {unit}" if lo == hi else f"{lo}-{hi} {unit}"
 
 
 @dataclass(frozen=True)
@@ -387,6 +439,20 @@ def check_load(batch, context_len) -> tuple[int, int]:
     return int(batch), int(context_len)
 
 
+def step_bytes(stage, batch: int = 1, context_len: int = 0) -> int:
+    """Bytes one decode step of ``stage`` reads from memory: its parameters once (an embedding
+    lookup only the ``batch`` rows it looks up) and the keys and values of ``batch`` x
+    ``context_len`` cached tokens.
+
+    >>> from tfnb.models import Stage
+    >>> step_bytes(Stage("block.0", "block", 1000, 500, 256, 128), batch=2, context_len=10)
+    3560
+    """
+    weights = batch * stage.act_bytes_out_per_token if stage.kind == "embed" \
+        else stage.param_bytes
+    return int(weights + stage.kv_bytes_per_token * batch * context_len)
+
+
 def stage_memory(chain, batch: int, context_len: int) -> list[int]:
     """Bytes each stage needs on its device: parameters + KV cache."""
     kv = chain.kv_bytes(batch, context_len)
@@ -446,12 +512,16 @@ def predict(chain, assignment: dict, topology: Topology, batch: int = 1,
     prefill: dict[str, float] = {}  # per resource, seconds per prompt
     stage_s: dict[str, float] = {}
     prefill_s: dict[str, float] = {}
+    reading: dict[str, float] = {}  # per device, seconds of stages bound by memory reads
     latency = crossing = 0.0
     for k, stage in enumerate(chain):
         t = stage_s[stage.name] = topology.stage_s(stage, idx[k], batch, context_len)
         latency += t
         key = f"compute on {short_device(topology.devices[idx[k]])}"
         busy[key] = busy.get(key, 0.0) + t
+        if (stage.name, topology.devices[idx[k]]) not in topology.stage_times \
+                and 0 < t == topology.read_s(stage, idx[k], batch, context_len):
+            reading[key] = reading.get(key, 0.0) + t  # memory, not arithmetic, set this time
         if prompt_len:
             p = prefill_s[stage.name] = topology.prefill_s(stage, idx[k], prompt_len)
             prefill[key] = prefill.get(key, 0.0) + p
@@ -473,6 +543,8 @@ def predict(chain, assignment: dict, topology: Topology, batch: int = 1,
         memory[assignment[stage.name]] += need
     capacity = {d: float(topology.memory[topology.index(d)]) for d in memory}
     name, slowest = max(busy.items(), key=lambda kv: kv[1])
+    if 2 * reading.get(name, 0.0) > slowest:
+        name = name.replace("compute on ", "memory reads on ", 1)
     # the lanes as one more resource: each goes round every stage and hop once per step (a
     # prompt once per prefill), so together they finish `lanes` batches per round
     lane_s, ring = latency / lanes, "lanes"

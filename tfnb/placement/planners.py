@@ -33,6 +33,8 @@ import math
 import time
 import warnings
 
+import numpy as np
+
 from tfnb.errors import PlacementError
 from tfnb.names import OBJECTIVES, PLANNERS, format_bytes, short_device
 from tfnb.placement import measure
@@ -40,6 +42,7 @@ from tfnb.placement.cost import (
     Topology,
     check_load,
     check_requests,
+    parse_rate,
     predict,
     predict_replicated,
     stage_memory,
@@ -50,8 +53,8 @@ from tfnb.placement.plan import Plan
 BEAM = 16  # states kept per level when the exact search is too large (200 stages x 16 kinds: < 1 s)
 
 __all__ = ["plan", "memory_assignment", "greedy_assignment", "optimal_assignment",
-           "replica_groups", "replicate_assignment", "as_topology", "topology_timer",
-           "attended_context", "mean_attended"]
+           "replica_groups", "replicate_assignment", "as_topology", "describe_cluster",
+           "topology_timer", "attended_context", "mean_attended"]
 
 
 def _chain(model_or_chain):
@@ -102,6 +105,66 @@ def as_topology(cluster_or_topology, model=None, batch: int = 1,
         return Topology(cluster_or_topology)
     raise PlacementError(f"cluster={cluster_or_topology!r:.60}: expected a Cluster, a Topology "
                          "or a list of device strings")
+
+
+def describe_cluster(hosts, memory, *, flops=None, memory_bandwidth=None, latency=None,
+                     bandwidth=None, like=None) -> Topology:
+    """A cluster that is described, not connected: the :class:`Topology` ``tfnb.plan`` takes to
+    say whether a model fits and how fast it would run before any machine is started.
+
+    Parameters
+    ----------
+    hosts : int or list of str
+        That many hosts (``host0``, ``host1``, ...), or their names.
+    memory : bytes or str, list or dict
+        What each host gives its worker (``"24GB"``; one for all, one per host, or a dict).
+    flops : FLOP/s per host, optional
+        Omitted: ``like``'s, else compute is taken as never the limit.
+    memory_bandwidth : bytes/s per host (``"50GB/s"``), optional
+        A decode step reads every weight of its stages once, so this sets its time
+        (:mod:`tfnb.placement.cost`). Omitted: ``like``'s.
+    latency, bandwidth : optional
+        Seconds per hop and bytes/s (``"1.25GB/s"``) of the links between hosts, a scalar or a
+        matrix. Omitted: ``like``'s mean link, else ``Topology``'s defaults.
+    like : Topology, optional
+        Speeds to reuse, such as a measured cluster's
+        (``measure_topology(cluster).with_memory_bandwidth(memory_bandwidth(cluster))``): every
+        host takes the mean FLOP/s and memory bandwidth of its devices, and its mean link.
+
+    Examples
+    --------
+    >>> topo = describe_cluster(4, "24GB", flops=1e12, memory_bandwidth="50GB/s")
+    >>> topo.devices, topo.memory.tolist()[0], topo.memory_bandwidth.tolist()[0]
+    (('host0', 'host1', 'host2', 'host3'), 24000000000.0, 50000000000.0)
+    >>> describe_cluster(["a", "b"], "8GB", like=topo).memory_bandwidth.tolist()
+    [50000000000.0, 50000000000.0]
+    """
+    if isinstance(hosts, bool) or not isinstance(hosts, (int, list, tuple)) or \
+            (isinstance(hosts, int) and hosts < 1):
+        raise PlacementError(f"hosts={hosts!r:.80}: expected a number of hosts >= 1 or a list "
+                             "of their names")
+    names = [f"host{i}" for i in range(hosts)] if isinstance(hosts, int) else list(hosts)
+    if like is not None and not isinstance(like, Topology):
+        raise PlacementError(f"like={like!r:.80}: expected a Topology (measured or described) "
+                             "whose speeds the hosts take")
+    if flops is None and memory_bandwidth is None and like is None:
+        raise PlacementError("describe_cluster: no speed given: expected memory_bandwidth "
+                             "(e.g. '50GB/s') and flops, or like=a measured Topology")
+    kw = {}
+    if like is not None:
+        off = ~np.eye(len(like.devices), dtype=bool)
+        kw = dict(flops=float(like.flops.mean()))
+        if like.memory_bandwidth is not None:
+            kw["memory_bandwidth"] = float(like.memory_bandwidth.mean())
+        if off.any():
+            kw.update(latency=float(like.latency[off].mean()),
+                      bandwidth=float(like.bandwidth[off].mean()))
+    given = dict(flops=flops, memory_bandwidth=memory_bandwidth, latency=latency,
+                 bandwidth=parse_rate(bandwidth, "bandwidth") if isinstance(bandwidth, str)
+                 else bandwidth)
+    kw.update({k: v for k, v in given.items() if v is not None})
+    kw.setdefault("flops", math.inf)
+    return Topology(names, memory=memory, **kw)
 
 
 def topology_timer(cluster, model, batch: int = 1, context_len: int | None = None,
@@ -175,17 +238,45 @@ def _placeable(model) -> bool:
         and getattr(model, "weights", None) is not None
 
 
+def _short(nbytes: float) -> str:
+    """``"151 MB short (150,734,208 bytes)"``: a shortfall, rounded and exact."""
+    return f"{format_bytes(nbytes, 'MB')} short ({math.ceil(nbytes):,} bytes)"
+
+
+def _split_shortfall(needs: list, caps) -> int:
+    """Bytes which, added to every cap, let stages of ``needs`` (in order) fill the devices in
+    runs, the largest device first: the least such for devices of one size."""
+    caps = sorted((float(c) for c in caps), reverse=True)
+
+    def fits(extra):
+        k, used = 0, 0
+        for need in needs:
+            while used + need > caps[k] + extra:
+                k, used = k + 1, 0
+                if k == len(caps):
+                    return False
+            used += need
+        return True
+
+    lo, hi = 0, int(sum(needs)) + 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
+    return lo
+
+
 def _check_fits(chain, topo: Topology, batch: int, context_len: int) -> None:
     """PlacementError saying where and by how much the chain cannot fit, if it cannot."""
     params = chain.total_param_bytes
     kv = sum(chain.kv_bytes(batch, context_len).values())
     total = float(topo.memory.sum())
     if params + kv > total:
+        n = len(topo.devices)
+        where = f"the largest device set (all {n} devices)" if n > 1 else "the one device"
         raise PlacementError(
             f"the model needs {format_bytes(params, 'MB')} + {format_bytes(kv, 'MB')} KV (batch "
-            f"{batch}, context {context_len}), the largest device set (all {len(topo.devices)} "
-            f"devices) has {format_bytes(total, 'MB')}: "
-            f"{format_bytes(params + kv - total, 'MB')} short")
+            f"{batch}, context {context_len}), {where} has {format_bytes(total, 'MB')}: "
+            f"{_short(params + kv - total)}")
     needs = stage_memory(chain, batch, context_len)
     k = max(range(len(needs)), key=needs.__getitem__)
     big = int(topo.memory.argmax())
@@ -193,8 +284,8 @@ def _check_fits(chain, topo: Topology, batch: int, context_len: int) -> None:
         raise PlacementError(
             f"stage {chain.names[k]!r} needs {format_bytes(needs[k], 'MB')} with its KV cache, "
             f"the largest device ({short_device(topo.devices[big])}) has "
-            f"{format_bytes(topo.memory[big], 'MB')}: "
-            f"{format_bytes(needs[k] - topo.memory[big], 'MB')} short (a stage is never split)")
+            f"{format_bytes(topo.memory[big], 'MB')}: {_short(needs[k] - topo.memory[big])} (a "
+            "stage is never split)")
 
 
 def _copy_short(chain, topo: Topology, share: int, context_len: int) -> str | None:
@@ -382,11 +473,13 @@ def optimal_assignment(chain, topo: Topology, batch: int = 1, context_len: int =
             found.append({chain.names[k]: dev for dev, i, j in segs for k in range(i, j)})
     candidates = [(value(a), a) for a in found] + baselines
     if not candidates:
+        needs = stage_memory(chain, batch, context_len)
+        short = _split_shortfall(needs, topo.memory)
         raise PlacementError(
             f"no split of the {len(chain)} stages into contiguous runs, one per device, fits "
-            f"the memory caps ({format_bytes(sum(stage_memory(chain, batch, context_len)), 'MB')}"
-            f" needed, {format_bytes(float(topo.memory.sum()), 'MB')} in all; stages are never "
-            "split)")
+            f"the memory caps ({format_bytes(sum(needs), 'MB')} needed, "
+            f"{format_bytes(float(topo.memory.sum()), 'MB')} in all; stages are never split)"
+            + (f": {short:,} bytes more on every device would hold them" if short else ""))
     least = min(v for v, _ in candidates)  # ties (within float rounding): the pipeline found,
     return next(a for v, a in candidates if v <= least * (1 + 1e-9))  # the most even of them
 
@@ -400,8 +493,8 @@ def plan(model_or_chain, cluster_or_topology, mode: str = "optimal", objective: 
     Parameters
     ----------
     model_or_chain : a ``Model`` (its ``.chain`` is used) or a ``LayerChain``
-    cluster_or_topology : a connected ``Cluster`` (measured once, cached), a ``Topology`` or a
-        list of device strings
+    cluster_or_topology : a connected ``Cluster`` (measured once, cached), a ``Topology`` (such
+        as :func:`describe_cluster` gives for machines not at hand) or a list of device strings
     mode : ``"optimal"``, ``"greedy"``, ``"memory"`` or ``"replicate"`` (a full copy per device,
         or per group of devices when one cannot hold it: :func:`replica_groups`)
     objective : ``"latency"`` (seconds per token) or ``"throughput"`` (tokens per second of the
