@@ -53,7 +53,7 @@ import numpy as np
 
 from tfnb.errors import ModelError
 from tfnb.models.decoder import LlamaConfig, weight_shapes
-from tfnb.models.packed import QTYPES, PackedTensor, held_nbytes
+from tfnb.models.packed import QTYPES, FileRows, PackedTensor, held_nbytes
 from tfnb.models.progress import Reporter, silent
 from tfnb.models.tokenizer import Tokenizer, end_token_ids, tokenizer_from_gguf_fields
 from tfnb.names import format_bytes
@@ -330,8 +330,7 @@ def _split_columns(w, widths: list[int]) -> list:
     """A fused (in, out) kernel cut into kernels of ``widths`` outputs; a packed one by rows."""
     ends = np.cumsum(widths)
     if isinstance(w, PackedTensor):
-        return [PackedTensor(w.data[end - n:end], w.qtype, w.cols)
-                for n, end in zip(widths, ends)]
+        return [w.row_range(end - n, end) for n, end in zip(widths, ends)]
     return [np.ascontiguousarray(part) for part in np.split(w, ends[:-1], axis=1)]
 
 
@@ -392,15 +391,20 @@ def _unpermuted(rows, config: LlamaConfig, name: str):
     return rows
 
 
-def _packed(tensor, config: LlamaConfig, name: str, permuted: bool):
-    """A ``PackedTensor`` of one 2-D GGUF tensor in a type the kernels read, else None."""
+def _packed(tensor, config: LlamaConfig, name: str, permuted: bool, reader, path: str):
+    """A file-backed ``PackedTensor`` of one 2-D GGUF tensor in a type the kernels read (where
+    its rows lie in the file, q/k rows taken in HF's rotary order), else None. Nothing is
+    read."""
     qtype = QTYPES.get(tensor.tensor_type.name)
     if qtype is None or len(tensor.shape) != 2:
         return None
     cols, rows = (int(n) for n in tensor.shape)  # GGUF lists the fastest-varying axis first
-    data = np.array(np.asarray(tensor.data).view(np.uint8).reshape(rows, -1))  # out of the map
-    return PackedTensor(_unpermuted(data, config, name) if permuted else data, qtype, cols,
-                        transposed=name != "embed")
+    order = _unpermuted(np.arange(rows)[:, None], config, name)[:, 0] if permuted else None
+    if order is not None and np.array_equal(order, np.arange(rows)):
+        order = None
+    part = FileRows(path, int(tensor.data_offset), rows, int(tensor.n_bytes) // rows, qtype,
+                    order, reader.data)
+    return PackedTensor((part,), qtype, cols, transposed=name != "embed")
 
 
 def _open(path: str, report: Reporter = silent):
@@ -502,7 +506,9 @@ def read_gguf(path, report: Reporter = silent, packed: bool = True
     """Config, canonical weights, tokenizer and name of a GGUF file of one of
     ``SUPPORTED_ARCHITECTURES``.
 
-    With ``packed`` every matrix in a type of ``QTYPES`` stays a ``PackedTensor``; vectors
+    With ``packed`` every matrix in a type of ``QTYPES`` stays a ``PackedTensor`` backed by the
+    file (``FileRows``: nothing of it is read here, and a worker that sees the file reads its
+    rows itself when the model is placed); vectors
     (norms) and other types become float32 arrays (the latter with one
     ``DequantizedWeightsWarning``).
 
@@ -516,7 +522,7 @@ def read_gguf(path, report: Reporter = silent, packed: bool = True
     >>> config.n_layers  # doctest: +SKIP
     30
     """
-    path = os.fspath(path)
+    path = os.path.abspath(os.fspath(path))
     reader, meta = _open(path, report)
     report(1, 1, "reading")
     config, expected, sources, permuted = _layout(reader, meta, path)
@@ -535,7 +541,7 @@ def read_gguf(path, report: Reporter = silent, packed: bool = True
     for i, tensor in enumerate(tensors):
         name = sources[tensor.name]
         try:
-            w = ((packed and _packed(tensor, config, name, permuted))
+            w = ((packed and _packed(tensor, config, name, permuted, reader, path))
                  or _dequantize(tensor, config, name, permuted))
         except NotImplementedError as exc:
             raise ModelError(f"GGUF tensor {tensor.name} in {path!r} has type "
@@ -568,5 +574,5 @@ def read_gguf(path, report: Reporter = silent, packed: bool = True
             f"read {', '.join(QTYPES)}), so they were dequantized to float32: "
             f"{format_bytes(extra_bytes)} more than in the file"), stacklevel=3)
     model_name = meta.get("general.name") or os.path.basename(path)
-    del reader  # drops the file's memory map
+    del reader  # packed weights keep the file's map (they read from it on demand)
     return config, {n: weights[n] for n in expected}, tokenizer, str(model_name)

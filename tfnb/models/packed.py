@@ -14,18 +14,78 @@ Examples
 >>> p = PackedTensor(np.zeros((4, 128), np.uint8), QTYPES["F32"], 32)   # 4 rows x 32 floats
 >>> p.shape, p.nbytes, p.size, np.asarray(p).shape
 ((32, 4), 512, 128, (32, 4))
+
+A weight read from a GGUF file is held as ``FileRows``: where its rows lie in the file, not the
+rows themselves. The client reads them (from its memory map of the file) only when it sends
+them to a device; a worker that sees the same file reads them there instead
+(``tfnb.runtime.fileload``), so loading and placing a model costs the client its header.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
 from tfnb.kernels import QTYPES, row_bytes
 
-__all__ = ["PackedTensor", "QTYPES", "QTYPE_NAMES", "fuse_rows", "widened", "weight_nbytes",
-           "held_nbytes", "packed_like", "quantize_rows"]
+__all__ = ["PackedTensor", "FileRows", "QTYPES", "QTYPE_NAMES", "fuse_rows", "widened",
+           "weight_nbytes", "held_nbytes", "packed_like", "quantize_rows"]
 
 QTYPE_NAMES = {v: k for k, v in QTYPES.items()}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FileRows:
+    """Rows of a packed matrix where a file holds them: ``span`` rows of ``row_bytes`` bytes
+    from byte ``offset`` of ``path``, in ggml type ``qtype``, taken in ``order`` (indices into
+    the span; None: all of them as stored). ``buffer`` is this process's read-only map of the
+    whole file; nothing is read from it until :meth:`read`.
+
+    Examples
+    --------
+    >>> buf = np.arange(12, dtype=np.uint8)
+    >>> rows = FileRows("f.gguf", 4, 2, 3, QTYPES["F32"], None, buf)
+    >>> rows.read().tolist(), rows.sliced(1, 2).read().tolist()
+    ([[4, 5, 6], [7, 8, 9]], [[7, 8, 9]])
+    >>> rows.reordered(np.array([1, 0])).read()[:, 0].tolist()
+    [7, 4]
+    """
+
+    path: str
+    offset: int
+    span: int
+    row_bytes: int
+    qtype: int
+    order: np.ndarray | None
+    buffer: np.ndarray = dataclasses.field(repr=False)
+
+    @property
+    def rows(self) -> int:
+        return self.span if self.order is None else len(self.order)
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.row_bytes
+
+    def read(self) -> np.ndarray:
+        """uint8 ``(rows, row_bytes)``: a view of the map, or a copy when reordered."""
+        block = self.buffer[self.offset:self.offset + self.span * self.row_bytes]
+        block = block.reshape(self.span, self.row_bytes)
+        return block if self.order is None else block[self.order]
+
+    def sliced(self, start: int, stop: int) -> FileRows:
+        """Rows ``start:stop`` of these rows."""
+        if self.order is not None:
+            return dataclasses.replace(self, order=self.order[start:stop])
+        return dataclasses.replace(self, offset=self.offset + start * self.row_bytes,
+                                   span=stop - start)
+
+    def reordered(self, order: np.ndarray) -> FileRows:
+        """These rows taken in ``order`` (indices into them)."""
+        order = np.asarray(order, np.int64)
+        base = np.arange(self.span) if self.order is None else self.order
+        return dataclasses.replace(self, order=base[order])
 
 
 class PackedTensor:
@@ -33,8 +93,10 @@ class PackedTensor:
 
     Parameters
     ----------
-    data : np.ndarray
-        uint8 ``(rows, row_bytes)``.
+    data : np.ndarray or tuple of FileRows
+        uint8 ``(rows, row_bytes)``; or the file rows that make it, stacked in turn, each
+        rewritten in ``qtype`` when its own type is another one that ``qtype`` holds exactly
+        (``widened``).
     qtype : int
         ggml type id (``QTYPES``).
     cols : int
@@ -45,17 +107,35 @@ class PackedTensor:
 
     __array_priority__ = 10
 
-    def __init__(self, data: np.ndarray, qtype: int, cols: int, transposed: bool = True):
+    def __init__(self, data, qtype: int, cols: int, transposed: bool = True):
+        self.qtype, self.cols, self.transposed = int(qtype), int(cols), transposed
+        if isinstance(data, tuple):
+            self.parts, self._data = data, None
+            if not data or any(p.row_bytes != row_bytes(p.qtype, self.cols) or not (
+                    p.qtype == self.qtype or (p.qtype, self.qtype) in _WIDEN) for p in data):
+                raise ValueError(f"file rows of {[QTYPE_NAMES.get(p.qtype) for p in data]} "
+                                 f"do not hold {cols} {QTYPE_NAMES.get(qtype, qtype)} values "
+                                 "per row")
+            return
         rows = data.shape[0]
         if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != row_bytes(qtype, cols):
             raise ValueError(f"packed data {data.dtype}{list(data.shape)} does not hold {rows} "
                              f"rows of {cols} {QTYPE_NAMES.get(qtype, qtype)} values: expected "
                              f"uint8[{rows}, {row_bytes(qtype, cols)}]")
-        self.data, self.qtype, self.cols, self.transposed = data, int(qtype), int(cols), transposed
+        self.parts, self._data = None, data
+
+    @property
+    def data(self) -> np.ndarray:
+        """The uint8 ``(rows, row_bytes)`` blocks (read from the file's map each time for a
+        file-backed tensor, so the client holds them only while it uses them)."""
+        if self._data is not None:
+            return self._data
+        blocks = [_widen_rows(p.read(), p.qtype, self.qtype) for p in self.parts]
+        return blocks[0] if len(blocks) == 1 else np.concatenate(blocks, axis=0)
 
     @property
     def rows(self) -> int:
-        return self.data.shape[0]
+        return self._data.shape[0] if self._data is not None else sum(p.rows for p in self.parts)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -71,11 +151,18 @@ class PackedTensor:
 
     @property
     def nbytes(self) -> int:
-        return int(self.data.nbytes)
+        return self.rows * row_bytes(self.qtype, self.cols)
 
     @property
     def qtype_name(self) -> str:
         return QTYPE_NAMES[self.qtype]
+
+    def row_range(self, start: int, stop: int) -> PackedTensor:
+        """Rows ``start:stop`` (output channels of a kernel), file-backed where this is."""
+        if self.parts is not None and len(self.parts) == 1:
+            return PackedTensor((self.parts[0].sliced(start, stop),), self.qtype, self.cols,
+                                self.transposed)
+        return PackedTensor(self.data[start:stop], self.qtype, self.cols, self.transposed)
 
     def rows_float32(self) -> np.ndarray:
         """The ``(rows, cols)`` float32 values, as ``gguf.quants.dequantize`` gives them."""
@@ -114,6 +201,8 @@ def fuse_rows(parts: list) -> PackedTensor | np.ndarray:
         qtypes = {p.qtype for p in parts}
         common = next((t for t in (parts[0].qtype, *qtypes)
                        if all(q == t or (q, t) in _WIDEN for q in qtypes)), None)
+        if common is not None and all(p.parts is not None for p in parts):
+            return PackedTensor(tuple(f for p in parts for f in p.parts), common, parts[0].cols)
         if common is not None:
             return PackedTensor(np.concatenate([widened(p, common) for p in parts], axis=0),
                                 common, parts[0].cols)
@@ -134,23 +223,29 @@ def widened(p: PackedTensor, qtype: int) -> np.ndarray:
     >>> widened(PackedTensor(q4, QTYPES["Q4_0"], 32), QTYPES["Q8_0"])[0, 2:5].view(np.int8)
     array([ 7, -8, -8], dtype=int8)
     """
-    if p.qtype == qtype:
-        return p.data
-    blocks = p.data.reshape(p.rows, -1, row_bytes(p.qtype, 32))
+    return _widen_rows(p.data, p.qtype, qtype)
+
+
+def _widen_rows(data: np.ndarray, from_qtype: int, qtype: int) -> np.ndarray:
+    """uint8 rows of ``from_qtype`` blocks rewritten in ``qtype`` (see ``widened``)."""
+    if from_qtype == qtype:
+        return data
+    rows = data.shape[0]
+    blocks = data.reshape(rows, -1, row_bytes(from_qtype, 32))
     n = blocks.shape[:2]
-    if p.qtype == _Q["Q4_1"]:  # d, m, then a zero fifth bit for every value, then the nibbles
+    if from_qtype == _Q["Q4_1"]:  # d, m, then a zero fifth bit for every value, then nibbles
         out = np.concatenate([blocks[..., :4], np.zeros((*n, 4), np.uint8), blocks[..., 4:]], -1)
-        return out.reshape(p.rows, -1)
+        return out.reshape(rows, -1)
     codes = blocks[..., -16:]
     q_Nx32 = np.concatenate([codes & 0x0F, codes >> 4], -1).astype(np.int16)  # value j, j + 16
-    if p.qtype == _Q["Q5_0"]:
+    if from_qtype == _Q["Q5_0"]:
         high = np.unpackbits(blocks[..., 2:6], axis=-1, bitorder="little")  # bit j of value j
         q_Nx32 = q_Nx32 | (high.astype(np.int16) << 4)
         q_Nx32 -= 16
     else:  # Q4_0
         q_Nx32 -= 8
     out = np.concatenate([blocks[..., :2], q_Nx32.astype(np.int8).view(np.uint8)], -1)
-    return out.reshape(p.rows, -1)
+    return out.reshape(rows, -1)
 
 
 def weight_nbytes(w) -> int:
