@@ -119,3 +119,48 @@ def test_loopback_guard_hides_a_local_cluster_from_other_hosts(hosts):
     assert table not in tables
     # TF cannot stop this process's own server: it stays guarded after its cluster closed
     assert _probe_from(hosts, 2, client) == "unresponsive"
+
+
+def test_each_host_reads_its_own_copy_of_the_model(hosts, remote_workers, tmp_path):
+    """Two hosts, two copies of a small GGUF at paths of their own: each worker reads its stages
+    from its copy (the same tokens as weights sent from the client); a host whose copy differs
+    is refused before anything is placed; one without a copy is sent its weights. (The
+    namespaces share this machine's files: each host's copy is its own by its path.)"""
+    import shutil
+
+    from tfnb.errors import PlacementError
+    from tfnb.models import decoder
+
+    from tests.test_packed import PROMPTS, write_quantized_gguf
+
+    config = decoder.tiny_config(n_layers=2)
+    mine = tmp_path / "client" / "m.gguf"
+    mine.parent.mkdir()
+    write_quantized_gguf(mine, config, decoder.random_weights(config, 7),
+                         {"embed": "Q8_0", "attn": "Q4_0", "ffn": "Q4_1"})
+    copies = [tmp_path / f"host{i}" / "model.gguf" for i in range(2)]
+    for copy in copies:
+        copy.parent.mkdir()
+        shutil.copy(mine, copy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cluster = tfnb.connect(remote_workers, timeout=3)
+    model = tfnb.load_model(mine, progress=False)
+    devices = [f"{t}/device:CPU:0" for t in cluster.workers]
+    files = {"worker:0": copies[0], "worker:1": copies[1]}
+    read = tfnb.place(model, devices, cluster, files=files)
+    assert read.weight_sources == {"worker:0": f"read {copies[0]}",
+                                   "worker:1": f"read {copies[1]}"}
+    sent = tfnb.place(model, devices, cluster, files=False)
+    assert read.generate_ids(PROMPTS, max_new_tokens=6) == \
+        sent.generate_ids(PROMPTS, max_new_tokens=6)
+    data = bytearray(copies[1].read_bytes())
+    data[data.index(b"tiny")] = ord("T")  # another model name: the same size, another header
+    copies[1].write_bytes(bytes(data))
+    with pytest.raises(PlacementError, match=rf"worker:1's '{copies[1]}' has the same size"):
+        tfnb.place(model, devices, cluster, files=files)
+    partly = tfnb.place(model, devices, cluster, files={**files, "worker:1": None})
+    assert partly.weight_sources == {"worker:0": f"read {copies[0]}",
+                                     "worker:1": "sent from the client"}
+    assert partly.generate_ids(PROMPTS, max_new_tokens=6) == \
+        sent.generate_ids(PROMPTS, max_new_tokens=6)

@@ -587,9 +587,9 @@ def test_matrices_of_types_one_holds_exactly_fuse_packed_in_that_type(kinds, com
 
 
 def write_quantized_gguf(path, config, weights, types):
-    """A llama GGUF with each matrix in ``types[kind]`` (kind: embed, attn, ffn), written by
-    gguf's writer after tfnb's F32 layout: quantized here (``quantize_rows``), from the same
-    canonical weights."""
+    """A llama GGUF with each matrix in ``types[kind]`` (kind: embed, attn, ffn) or
+    ``types[its GGUF name]``, written by gguf's writer after tfnb's F32 layout: quantized here
+    (``quantize_rows``), from the same canonical weights."""
     write_llama_gguf(path, config, weights)  # F32 reference layout (permuted q/k rows)
     reader = gguf.GGUFReader(str(path))
     tensors = [(t.name, np.array(t.data)) for t in reader.tensors]
@@ -612,8 +612,9 @@ def write_quantized_gguf(path, config, weights, types):
         if kind is None:
             writer.add_tensor(name, data)
             continue
-        qt = gguf.GGMLQuantizationType[types[kind]]
-        rows = quantize_rows(data.reshape(-1, data.shape[-1]), kernels.QTYPES[types[kind]])
+        qtype = types.get(name, types[kind])
+        qt = gguf.GGMLQuantizationType[qtype]
+        rows = quantize_rows(data.reshape(-1, data.shape[-1]), kernels.QTYPES[qtype])
         writer.add_tensor(name, rows.reshape(*data.shape[:-1], -1), raw_dtype=qt)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -32,7 +32,8 @@ def _assignment(model, plan, cluster) -> dict:
                          "list of devices")
 
 
-def place(model, plan=None, cluster=None, *, timeout: float | None = 60.0, previous=None):
+def place(model, plan=None, cluster=None, *, timeout: float | None = 60.0, previous=None,
+          files=None, progress=True):
     """Put ``model``'s stages on the devices of ``plan`` and return the placed model.
 
     Parameters
@@ -49,6 +50,16 @@ def place(model, plan=None, cluster=None, *, timeout: float | None = 60.0, previ
         Seconds a generate call may take before a clear error (llama models).
     previous : PlacedModel, optional
         A placement of the same model to update: only the stages whose device changed move.
+    files : None, False or dict
+        Where the workers read a GGUF model's weights: None (default), each worker reads the
+        file at the path the model was loaded from, and a worker without it is sent its
+        weights from this process; a dict gives a worker its own path (``{"worker:1":
+        "/data/m.gguf"}``) or None to send to it; False sends everything. A worker's file must
+        be the same as this process's (size, header and tensor table), else one
+        ``PlacementError`` before anything is placed. ``placed.weight_sources`` says what
+        each worker did.
+    progress : bool or callable
+        A progress bar of the bytes sent to each worker (from 64 MB on).
 
     Examples
     --------
@@ -66,9 +77,13 @@ def place(model, plan=None, cluster=None, *, timeout: float | None = 60.0, previ
         from tfnb.placement.planners import plan as make_plan
 
         plan = make_plan(model, cluster)
+    if files is not None and files is not False:
+        from tfnb.runtime.fileload import check_files  # imports TensorFlow
+
+        check_files(files, cluster.workers if cluster is not None else None)
     assignment = _assignment(model, plan, cluster)
     if isinstance(plan, Plan) and plan.replicas:
-        return _place_replicas(model, plan, cluster, timeout)
+        return _place_replicas(model, plan, cluster, timeout, files, progress)
     if cluster is not None:
         unknown = sorted(set(assignment.values()) - set(cluster.devices))
         if unknown:
@@ -81,7 +96,8 @@ def place(model, plan=None, cluster=None, *, timeout: float | None = 60.0, previ
         if previous is not None and hasattr(previous, "replace"):
             placed = previous.replace(assignment)  # a lost previous placement reuses nothing
         else:
-            placed = place_llama(model, assignment, timeout=timeout)
+            placed = place_llama(model, assignment, timeout=timeout, files=files,
+                                 progress=progress)
     elif model.arch == "keras":
         from tfnb.runtime.layers import place_layers
 
@@ -98,7 +114,7 @@ def place(model, plan=None, cluster=None, *, timeout: float | None = 60.0, previ
     return placed
 
 
-def _place_replicas(model, plan: Plan, cluster, timeout):
+def _place_replicas(model, plan: Plan, cluster, timeout, files, progress):
     """One full copy per replica (on one device, or a pipeline over a group of them); each is
     registered with the cluster on its own, so a lost worker takes only its own copy."""
     if model.arch != "llama":
@@ -113,7 +129,8 @@ def _place_replicas(model, plan: Plan, cluster, timeout):
 
     replicas = []
     for assignment in plan.replica_assignments():
-        replica = place_llama(model, assignment, timeout=timeout)
+        replica = place_llama(model, assignment, timeout=timeout, files=files,
+                              progress=progress)
         if cluster is not None:
             devices = list(dict.fromkeys(assignment.values()))
             cluster.register(replica, f"{model.name} replica on "

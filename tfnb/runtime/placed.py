@@ -33,6 +33,7 @@ from tfnb.models.chain import segments, stage_names
 from tfnb.models.packed import PackedTensor
 from tfnb.runtime.devices import resolve_assignment
 from tfnb.runtime.faults import call_with_deadline
+from tfnb.runtime.fileload import WeightLoader
 from tfnb.runtime.graphs import Program, segment_functions
 from tfnb.runtime.requests import (
     GenerateOptions,
@@ -51,7 +52,9 @@ from tfnb.runtime.weights import (
     kv_caches,
     param_variables,
     segment_params,
+    segment_weights,
 )
+from tfnb.shutdown import start_thread
 
 __all__ = ["place_llama", "PlacedModel"]
 
@@ -59,7 +62,7 @@ _MAX_PROGRAMS = 3  # cache sets (batch, length) kept alive at once
 
 
 def place_llama(model, assignment, *, timeout: float | None = 60.0,
-                xla_loop: bool = True) -> PlacedModel:
+                xla_loop: bool = True, files=None, progress=False) -> PlacedModel:
     """Put ``model``'s stages on devices and return a ``PlacedModel`` ready to generate.
 
     Parameters
@@ -83,6 +86,13 @@ def place_llama(model, assignment, *, timeout: float | None = 60.0,
         the faster of the two by a few percent per step (docs/runtime.md). A chain
         over several devices runs unrolled chunks instead
         (:func:`tfnb.runtime.graphs.unrolled_decode`).
+    files : None, False or dict
+        Where each worker reads a GGUF model's packed weights (``tfnb.runtime.fileload``):
+        None, the client's path on every worker (a worker without it is sent them); False,
+        send everything from the client; a dict, per worker (``{"worker:1": "/data/m.gguf"}``,
+        None for sending). ``placed.weight_sources`` says what each worker did.
+    progress : bool or callable
+        A progress bar of the bytes sent to each worker (shown from 64 MB).
 
     Raises
     ------
@@ -105,7 +115,8 @@ def place_llama(model, assignment, *, timeout: float | None = 60.0,
     resolved = resolve_assignment(assignment, stage_names(config.n_layers))
     check_weights(config, weights)
     return PlacedModel(config, weights, getattr(model, "tokenizer", None), resolved,
-                       timeout=timeout, name=getattr(model, "name", None), xla_loop=xla_loop)
+                       timeout=timeout, name=getattr(model, "name", None), xla_loop=xla_loop,
+                       files=files, progress=progress)
 
 
 class PlacedModel:
@@ -145,7 +156,7 @@ class PlacedModel:
 
     def __init__(self, config, weights, tokenizer, assignment: dict[str, str], *,
                  timeout: float | None = 60.0, name: str | None = None, reuse=None,
-                 xla_loop: bool = True, plan=None):
+                 xla_loop: bool = True, plan=None, files=None, progress=False):
         self.config, self.tokenizer, self.timeout, self.name = config, tokenizer, timeout, name
         self.plan = plan
         self._weights = weights  # the client's copy (not duplicated), for replace()
@@ -170,20 +181,49 @@ class PlacedModel:
         self.scheduler = Scheduler(self, len(self.devices) if len(self.segments) > 1 else 1)
         _LIVE.add(self)
         shared: dict = {}  # device -> the tied (D, V) embedding there
+        self._files, self._progress = files, progress
+        loader = WeightLoader(weights, self.devices, files, progress)
+        self.params = []
         if any(isinstance(w, PackedTensor) for w in weights.values()):
             check_packed_ops(self.devices, timeout=timeout)
+        loader.check(timeout)  # a worker's file that differs stops here, before any weight
+        loader.plan_sends(self.segments, lambda seg: segment_weights(config, weights, seg))
         try:  # copying a large model may take minutes; a silent worker fails it in seconds
             self.params = call_with_deadline(
-                lambda: [segment_params(config, weights, seg, head_device=self.assignment["head"],
-                                        shared=shared, reuse=reuse) for seg in self.segments],
-                (), timeout=self.compile_timeout, devices=self.devices,
-                what="creating the weights")
+                self._create_params, (config, weights, shared, reuse, loader.variable),
+                timeout=self.compile_timeout, devices=self.devices, what="creating the weights")
         except tf.errors.OpError as e:
             self.params = []
             raise PlacementError(f"creating weights on the devices failed: {type(e).__name__}: "
                                  f"{str(e).splitlines()[0][:200]}") from e
+        loader.finish()
+        self.weight_sources = loader.summary()
 
     # ----- weights and caches ---------------------------------------------------------------
+
+    def _create_params(self, config, weights, shared, reuse, put) -> list[dict]:
+        """Every segment's weights (``segment_params``), each device's on a thread of its own:
+        making a variable waits for its worker to have read or received its value, so one
+        thread per device keeps all the workers reading at once."""
+        made: dict[int, dict] = {}
+        errors: list[BaseException] = []
+
+        def run(device):
+            try:
+                for i, seg in enumerate(self.segments):
+                    if seg.device == device:
+                        made[i] = segment_params(config, weights, seg, shared=shared,
+                                                 head_device=self.assignment["head"],
+                                                 reuse=reuse, put=put)
+            except BaseException as e:  # noqa: BLE001 - raised in the calling thread
+                errors.append(e)
+
+        for thread in [start_thread(run, d, name=f"tfnb-weights-{k}")
+                       for k, d in enumerate(self.devices)]:
+            thread.join()
+        if errors:
+            raise errors[0]
+        return [made[i] for i in range(len(self.segments))]
 
     def replace(self, assignment) -> PlacedModel:
         """A new placement of the same model; blocks whose device is unchanged keep their
@@ -202,7 +242,7 @@ class PlacedModel:
             for i, block in zip(seg.blocks, p["blocks"])}
         pm = PlacedModel(self.config, self._weights, self.tokenizer, resolved,
                          timeout=self.timeout, name=self.name, reuse=reuse,
-                         xla_loop=self.xla_loop)
+                         xla_loop=self.xla_loop, files=self._files, progress=self._progress)
         pm.compile_timeout = self.compile_timeout
         pm.moved_stages = [s for s in resolved
                            if self._lost or resolved[s] != self.assignment.get(s)]

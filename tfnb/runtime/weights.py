@@ -27,8 +27,8 @@ from tfnb.models.packed import PackedTensor
 from tfnb.runtime import forward as L
 from tfnb.runtime.graphs import client_cpu
 
-__all__ = ["variable_on", "segment_params", "kv_caches", "check_weights", "param_variables",
-           "check_packed_ops"]
+__all__ = ["variable_on", "segment_params", "segment_weights", "kv_caches", "check_weights",
+           "param_variables", "check_packed_ops"]
 
 
 def variable_on(device: str, value, name: str):
@@ -48,39 +48,60 @@ def variable_on(device: str, value, name: str):
 
 
 def segment_params(config, weights, seg: Segment, *, head_device: str, shared: dict | None = None,
-                   reuse: dict | None = None) -> dict:
+                   reuse: dict | None = None, put=None) -> dict:
     """The weight variables of one segment: ``embed_VxD`` or ``embed_DxV``, ``blocks`` (a list
     of ``BlockParams``), ``final_norm`` and ``out_DxV`` as its stages need them.
 
     The head multiplies by a (D, V) matrix: faster than by the transposed (V, D) table. A tied
     model keeps one (D, V) embedding per device (in ``shared``, device -> variable) on the
     head's device, which the embed stage there reads by columns. ``reuse`` maps
-    ``(block index, device)`` to ``BlockParams`` already on that device.
+    ``(block index, device)`` to ``BlockParams`` already on that device. ``put(device, value,
+    name)`` makes each variable (default :func:`variable_on`; a placement passes its
+    ``fileload.WeightLoader.variable``).
     """
+    put = put or variable_on
     shared = {} if shared is None else shared
     reuse = reuse or {}
     tied = config.tie_embeddings
     params: dict = {}
     if (seg.has_embed and tied and seg.device == head_device) or (seg.has_head and tied):
         if seg.device not in shared:
-            shared[seg.device] = variable_on(seg.device, _head_matrix(weights["embed"]),
-                                             "embed_T")
+            shared[seg.device] = put(seg.device, _head_matrix(weights["embed"]), "embed_T")
         if seg.has_embed:
             params["embed_DxV"] = shared[seg.device]
         if seg.has_head:
             params["out_DxV"] = shared[seg.device]
     elif seg.has_embed:
-        params["embed_VxD"] = variable_on(seg.device, weights["embed"], "embed")
+        params["embed_VxD"] = put(seg.device, weights["embed"], "embed")
     params["blocks"] = [
         reuse.get((i, seg.device)) or L.BlockParams(
-            **{k: variable_on(seg.device, v, f"{block_stage(i)}.{k}")
+            **{k: put(seg.device, v, f"{block_stage(i)}.{k}")
                for k, v in L.fuse_block(weights, i).items()})
         for i in seg.blocks]
     if seg.has_head:
-        params["final_norm"] = variable_on(seg.device, weights["final_norm"], "final_norm")
+        params["final_norm"] = put(seg.device, weights["final_norm"], "final_norm")
         if not tied:
-            params["out_DxV"] = variable_on(seg.device, weights["lm_head"], "lm_head")
+            params["out_DxV"] = put(seg.device, weights["lm_head"], "lm_head")
     return params
+
+
+def segment_weights(config, weights: dict, seg: Segment) -> list:
+    """The canonical weights ``seg``'s stages hold (a tied table once), as they are on the
+    client.
+
+    Examples
+    --------
+    >>> from tfnb.models.decoder import tiny_config, random_weights
+    >>> cfg = tiny_config()
+    >>> len(segment_weights(cfg, random_weights(cfg), Segment("/cpu:0", ("block.0", "head"))))
+    11
+    """
+    names = ["embed"] if seg.has_embed else []
+    for i in seg.blocks:
+        names += [n for n in weights if n.startswith(f"blocks.{i}.")]
+    if seg.has_head:
+        names += ["final_norm", "embed" if config.tie_embeddings else "lm_head"]
+    return [weights[n] for n in dict.fromkeys(names)]
 
 
 def _head_matrix(embed):
