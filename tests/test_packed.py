@@ -12,7 +12,7 @@ import tfnb
 from tfnb import kernels
 from tfnb.errors import ModelError, PlacementError
 from tfnb.models import decoder
-from tfnb.models.packed import PackedTensor, fuse_rows, quantize_rows
+from tfnb.models.packed import PackedStack, PackedTensor, fuse_rows, quantize_rows
 
 from tests.test_models import write_llama_gguf
 
@@ -575,12 +575,14 @@ def test_matrices_of_types_one_holds_exactly_fuse_packed_in_that_type(kinds, com
     fused = fuse_rows(parts)
     assert isinstance(fused, PackedTensor) and fused.qtype_name == common
     assert np.array_equal(np.asarray(fused), np.concatenate(refs, 1))
-    # a pair no type holds exactly (Q5_1 has a min, Q8_0 none) still goes to float32
-    q51, _ = random_blocks(rng, 2, 64, "Q5_1")
-    q80, _ = packed_rows(rng.standard_normal((2, 64)).astype(np.float32), "Q8_0")
+    # a pair no type holds exactly (Q5_1 has a min, Q8_0 none) stays packed side by side
+    q51, ref51 = random_blocks(rng, 2, 64, "Q5_1")
+    q80, ref80 = packed_rows(rng.standard_normal((2, 64)).astype(np.float32), "Q8_0")
     mixed = fuse_rows([PackedTensor(q51, kernels.QTYPES["Q5_1"], 64),
                        PackedTensor(q80, kernels.QTYPES["Q8_0"], 64)])
-    assert isinstance(mixed, np.ndarray) and mixed.shape == (64, 4)
+    assert isinstance(mixed, PackedStack) and mixed.shape == (64, 4)
+    assert mixed.nbytes == q51.nbytes + q80.nbytes
+    assert np.array_equal(np.asarray(mixed), np.concatenate([ref51.T, ref80.T], 1))
 
 
 # ---------------------------------------------------------------- packed models
@@ -665,6 +667,32 @@ def test_a_k_quant_gguf_runs_packed_as_float32_does(tmp_path, cluster):
     assert packed.nbytes < 0.2 * floats.nbytes
     ref = tfnb.place(floats, [cluster.devices[0]], cluster)
     placed = tfnb.place(packed, [cluster.devices[0]], cluster)
+    assert placed.generate_ids(PROMPTS, max_new_tokens=8) == \
+        ref.generate_ids(PROMPTS, max_new_tokens=8)
+    for got, want in zip(placed.logits(PROMPTS), ref.logits(PROMPTS)):
+        assert np.abs(got - want).max() <= 1e-4 * np.ptp(want)
+
+
+def test_a_q4_k_m_style_mix_stays_packed_and_decodes_as_float32_does(tmp_path, cluster):
+    """Q4_K_M gives some blocks a Q6_K v (or up) beside Q4_K q and k (gate): no one type holds
+    the other, so the fused matrix is a stack of both, each multiplied in its own blocks; the
+    device holds the file's bytes, and decoding equals the float32 path."""
+    config = decoder.tiny_config(hidden_size=256, ffn_size=512)
+    path = tmp_path / "tiny-k-mixed.gguf"
+    write_quantized_gguf(path, config, decoder.random_weights(config, 6),
+                         {"embed": "Q6_K", "attn": "Q4_K", "ffn": "Q4_K",
+                          "blk.0.attn_v.weight": "Q6_K", "blk.1.ffn_up.weight": "Q6_K"})
+    packed = tfnb.load_model(path, progress=False)
+    floats = tfnb.load_model(path, weights="float32", progress=False)
+    placed = tfnb.place(packed, [cluster.devices[0]], cluster)
+    p0, p1 = placed.params[0]["blocks"][:2]
+    assert [part.qtype for part in p0.wqkv.parts] == [kernels.QTYPES[t] for t in
+                                                      ("Q4_K", "Q4_K", "Q6_K")]
+    assert [part.qtype for part in p1.w_gate_up.parts] == [kernels.QTYPES[t] for t in
+                                                           ("Q4_K", "Q6_K")]
+    held = sum(v.shape.num_elements() * v.dtype.size for v in placed.variables)
+    assert held <= 1.05 * packed.nbytes and packed.nbytes < 0.25 * floats.nbytes
+    ref = tfnb.place(floats, [cluster.devices[0]], cluster)
     assert placed.generate_ids(PROMPTS, max_new_tokens=8) == \
         ref.generate_ids(PROMPTS, max_new_tokens=8)
     for got, want in zip(placed.logits(PROMPTS), ref.logits(PROMPTS)):

@@ -29,8 +29,8 @@ import numpy as np
 
 from tfnb.kernels import QTYPES, row_bytes
 
-__all__ = ["PackedTensor", "FileRows", "QTYPES", "QTYPE_NAMES", "fuse_rows", "widened",
-           "weight_nbytes", "held_nbytes", "packed_like", "quantize_rows"]
+__all__ = ["PackedTensor", "PackedStack", "FileRows", "QTYPES", "QTYPE_NAMES", "fuse_rows",
+           "widened", "weight_nbytes", "held_nbytes", "packed_like", "quantize_rows"]
 
 QTYPE_NAMES = {v: k for k, v in QTYPES.items()}
 
@@ -183,11 +183,55 @@ class PackedTensor:
         return f"PackedTensor({self.qtype_name}, shape={self.shape}, {self.nbytes} bytes)"
 
 
-def fuse_rows(parts: list) -> PackedTensor | np.ndarray:
+class PackedStack:
+    """Kernel matrices side by side (``[a | b | c]`` on the output axis), each in its own
+    blocks: packed types no one of which holds the others (a Q4_K_M file's Q4_K q and k beside
+    a Q6_K v). The runtime multiplies each and joins the outputs.
+
+    Examples
+    --------
+    >>> a = PackedTensor(np.zeros((2, 144), np.uint8), QTYPES["Q4_K"], 256)
+    >>> b = PackedTensor(np.zeros((1, 210), np.uint8), QTYPES["Q6_K"], 256)
+    >>> stack = PackedStack((a, b))
+    >>> stack, stack.shape, np.asarray(stack).shape
+    (PackedStack(Q4_K, Q6_K, shape=(256, 3), 498 bytes), (256, 3), (256, 3))
+    """
+
+    __array_priority__ = 10
+
+    def __init__(self, parts):
+        self.parts = tuple(parts)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.parts[0].cols, sum(p.rows for p in self.parts))
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def __array__(self, dtype=None, copy=None):
+        w = np.concatenate([np.asarray(p, np.float32) for p in self.parts], axis=1)
+        return w if dtype is None else w.astype(dtype)
+
+    def __repr__(self) -> str:
+        return (f"PackedStack({', '.join(p.qtype_name for p in self.parts)}, "
+                f"shape={self.shape}, {self.nbytes} bytes)")
+
+
+def fuse_rows(parts: list) -> PackedTensor | PackedStack | np.ndarray:
     """Kernel matrices side by side (``[a | b | c]`` on the output axis): one ``PackedTensor``
     (their rows stacked) when all are packed in one type, or in types that one of them holds
     exactly (``widened``: Q4_0 and Q5_0 in Q8_0, Q4_1 in Q5_1, as llama-quantize's mixes pair
-    them); else a float32 array.
+    them); a ``PackedStack`` when they are packed in other types; else a float32 array.
 
     Examples
     --------
@@ -195,6 +239,9 @@ def fuse_rows(parts: list) -> PackedTensor | np.ndarray:
     >>> q5 = PackedTensor(np.zeros((3, 22), np.uint8), QTYPES["Q5_0"], 32)
     >>> fuse_rows([q5, q8])
     PackedTensor(Q8_0, shape=(32, 5), 170 bytes)
+    >>> q51 = PackedTensor(np.zeros((1, 24), np.uint8), QTYPES["Q5_1"], 32)
+    >>> fuse_rows([q51, q8])
+    PackedStack(Q5_1, Q8_0, shape=(32, 3), 92 bytes)
     """
     if all(isinstance(p, PackedTensor) and p.transposed for p in parts) \
             and len({p.cols for p in parts}) == 1:
@@ -206,6 +253,7 @@ def fuse_rows(parts: list) -> PackedTensor | np.ndarray:
         if common is not None:
             return PackedTensor(np.concatenate([widened(p, common) for p in parts], axis=0),
                                 common, parts[0].cols)
+        return PackedStack(parts)
     return np.concatenate([np.asarray(p, np.float32) for p in parts], axis=1)
 
 
@@ -250,7 +298,8 @@ def _widen_rows(data: np.ndarray, from_qtype: int, qtype: int) -> np.ndarray:
 
 def weight_nbytes(w) -> int:
     """Bytes a weight takes on a device: packed bytes, or 4 per value for float32."""
-    return w.nbytes if isinstance(w, PackedTensor) else int(np.prod(np.shape(w))) * 4
+    return w.nbytes if isinstance(w, (PackedTensor, PackedStack)) \
+        else int(np.prod(np.shape(w))) * 4
 
 
 def held_nbytes(type_name: str, cols: int, values: int, packed: bool = True) -> int:

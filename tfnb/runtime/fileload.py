@@ -34,7 +34,7 @@ import tensorflow as tf
 
 from tfnb.errors import PlacementError
 from tfnb.kernels import QTYPES, row_bytes
-from tfnb.models.packed import PackedTensor, weight_nbytes
+from tfnb.models.packed import PackedStack, PackedTensor, weight_nbytes
 from tfnb.names import short_device
 
 __all__ = ["WeightLoader", "widen_blocks", "file_fingerprint", "check_files"]
@@ -259,6 +259,9 @@ class WeightLoader:
         from tfnb.runtime import forward as L
         from tfnb.runtime.weights import variable_on
 
+        if isinstance(value, PackedStack):
+            return L.Stacked(tuple(self.variable(device, p, f"{name}.{i}")
+                                   for i, p in enumerate(value.parts)))
         task = _task(device)
         path = self.paths.get(task)
         parts = _file_parts(value)

@@ -14,7 +14,8 @@ and ``w_gate_up`` = ``[w_gate | w_up]`` (D, 2F), so one block step is four matmu
 differ from ``D`` (a model may set its head width: Qwen3). A matrix is a float32 (in, out)
 tensor, or a ``Packed`` one (GGUF blocks, one row per output channel) that ``dense`` multiplies
 with tfnb's packed-weight op (:mod:`tfnb.kernels`), which runs as an XLA custom call inside the
-compiled segments like every other op here.
+compiled segments like every other op here; a fused matrix whose parts are packed in types no
+one of which holds the others is ``Stacked``, one matmul per part.
 
 Layers may differ (Gemma 2/3): :class:`Layer` is one block's static spec (its sliding window
 and rotary base and scale, from :func:`layer_of`); a call makes the rotary tables once per
@@ -43,7 +44,7 @@ __all__ = [
     "BlockParams", "Layer", "layer_of", "fuse_block", "rms_norm", "rope_tables", "rope_for",
     "ropes_for", "apply_rope", "positions", "prefill_mask", "decode_mask", "attention",
     "block_prefill", "block_decode", "embed", "embed_from_columns", "logits", "next_token",
-    "dense", "Packed", "is_packed",
+    "dense", "Packed", "Stacked", "is_packed",
 ]
 
 _MASKED = -1e9  # finite, so a row with every slot masked (padding queries) stays NaN-free
@@ -71,8 +72,13 @@ class Packed(NamedTuple):
     cols: int
 
 
+class Stacked(NamedTuple):
+    """Packed matrices side by side on a device (``PackedStack``): their outputs joined."""
+    parts: tuple  # of Packed
+
+
 def is_packed(w) -> bool:
-    return isinstance(w, Packed)
+    return isinstance(w, (Packed, Stacked))
 
 
 class BlockParams(NamedTuple):
@@ -158,7 +164,9 @@ _decode_attention = tf.autograph.experimental.do_not_convert(
 
 
 def matmul(x_NxD, w_DxC):
-    """``x @ w`` for a 2-D ``x`` and a float32 or ``Packed`` kernel."""
+    """``x @ w`` for a 2-D ``x`` and a float32, ``Packed`` or ``Stacked`` kernel."""
+    if isinstance(w_DxC, Stacked):
+        return tf.concat([matmul(x_NxD, part) for part in w_DxC.parts], axis=-1)
     if isinstance(w_DxC, Packed):
         if x_NxD.shape[0] >= DEQUANTIZE_ROWS:
             w_CxD = _packed_dequantize(w_DxC.data, w_DxC.qtype, w_DxC.cols)

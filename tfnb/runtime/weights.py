@@ -23,7 +23,7 @@ import tensorflow as tf
 from tfnb.errors import PlacementError
 from tfnb.models.chain import Segment, block_stage
 from tfnb.models.decoder import weight_shapes
-from tfnb.models.packed import PackedTensor
+from tfnb.models.packed import PackedStack, PackedTensor
 from tfnb.runtime import forward as L
 from tfnb.runtime.graphs import client_cpu
 
@@ -33,7 +33,11 @@ __all__ = ["variable_on", "segment_params", "segment_weights", "kv_caches", "che
 
 def variable_on(device: str, value, name: str):
     """A non-trainable float32 variable on ``device`` holding ``value`` (numpy or a tensor);
-    for a ``PackedTensor``, an ``L.Packed`` over a uint8 variable of its blocks."""
+    for a ``PackedTensor``, an ``L.Packed`` over a uint8 variable of its blocks; for a
+    ``PackedStack``, an ``L.Stacked`` of those."""
+    if isinstance(value, PackedStack):
+        return L.Stacked(tuple(variable_on(device, p, f"{name}.{i}")
+                               for i, p in enumerate(value.parts)))
     if isinstance(value, PackedTensor):
         with tf.device(client_cpu()):
             data = tf.constant(value.data)
@@ -139,8 +143,9 @@ def param_variables(params: list[dict]) -> list[tf.Variable]:
         for v in [p[k] for k in ("embed_VxD", "embed_DxV") if k in p] \
                 + [v for b in p["blocks"] for v in b if v is not None] \
                 + [p[k] for k in ("final_norm", "out_DxV") if k in p]:
-            v = v.data if L.is_packed(v) else v
-            out.setdefault(id(v), v)
+            for leaf in [p.data for p in v.parts] if isinstance(v, L.Stacked) \
+                    else [v.data] if L.is_packed(v) else [v]:
+                out.setdefault(id(leaf), leaf)
     return list(out.values())
 
 
