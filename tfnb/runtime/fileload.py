@@ -5,10 +5,10 @@ lie). When a worker can see the same file, ``place`` has it read its stages' row
 the weights never pass through the notebook's process or its link:
 
 - TensorFlow's ``ImmutableConst`` op maps the whole file on the worker (``memory_region_name``
-  is a path; an op every TF server has). ``Slice`` of it shares the map's memory, so each
-  matrix is sliced, reordered (``Gather``: llama's q/k rows), widened (Q4_0/Q5_0 blocks
-  rewritten as Q8_0 where a fused matrix mixes them) and stacked there, then copied into the
-  variable's own memory (``DeepCopy``): a placed weight does not depend on the file afterwards.
+  is a path; an op every TF server has). Each matrix's rows are sliced from it, reordered
+  (``Gather``: llama's q/k rows), widened (Q4_0/Q5_0 blocks rewritten as Q8_0 where a fused
+  matrix mixes them) and stacked there. A plain slice shares the map's memory, so it is copied
+  (``DeepCopy``): a placed weight does not depend on the file afterwards.
 - Before anything is placed, each worker's file is compared with the client's: its size
   (``ImmutableConst`` of one byte more than the client's file must fail, and its error names
   the worker's length) and a fingerprint of its header and tensor table (TF's ``Fingerprint``,
@@ -26,6 +26,7 @@ Examples
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 
@@ -86,6 +87,14 @@ def widen_blocks(rows, from_qtype: int, qtype: int):
         q = q - 8
     values = tf.bitcast(tf.cast(q, tf.int8), tf.uint8)
     return tf.reshape(tf.concat([blocks[..., :2], values], -1), [n_rows, -1])
+
+
+@functools.lru_cache(maxsize=8)
+def _widen_fn(from_qtype: int, qtype: int):
+    """``widen_blocks`` as a traced function (its constants travel inside it; see
+    ``WeightLoader._read``)."""
+    return tf.function(lambda rows: widen_blocks(rows, from_qtype, qtype), autograph=False,
+                       input_signature=[tf.TensorSpec([None, None], tf.uint8)])
 
 
 def file_fingerprint(header) -> bytes:
@@ -222,15 +231,19 @@ class WeightLoader:
 
     def _probe(self, device: str, path: str) -> tuple[int, bytes]:
         """(the file's length, the fingerprint of its first ``len(header)`` bytes) on
-        ``device``; NotFoundError when it has no such file."""
+        ``device``; an OpError (NotFoundError ...) when it cannot map the file."""
         from tfnb.runtime.graphs import client_cpu
 
-        with tf.device(client_cpu()):
-            begin, size = tf.constant([0], tf.int64), tf.constant([len(self.header)], tf.int64)
+        with tf.device(client_cpu()):  # every input made here (see _read)
+            begin, one = tf.constant([0], tf.int64), tf.constant([1], tf.int64)
+            length = tf.constant([len(self.header)], tf.int64)
+            head = tf.constant([1, len(self.header)], tf.int64)
+            method = tf.constant("farmhash64")
         with tf.device(device):
             try:  # one byte more than the client's file: fails, naming the worker's length
-                tf.raw_ops.ImmutableConst(dtype=tf.uint8, shape=[self.size + 1],
-                                          memory_region_name=path)[:1].numpy()
+                whole = tf.raw_ops.ImmutableConst(dtype=tf.uint8, shape=[self.size + 1],
+                                                  memory_region_name=path)
+                tf.slice(whole, begin, one).numpy()
                 return self.size + 1, b""  # at least that long: not the same file
             except tf.errors.InternalError as e:
                 m = _LENGTH.search(str(e))
@@ -240,9 +253,9 @@ class WeightLoader:
                     return int(m.group(1)), b""
             whole = tf.raw_ops.ImmutableConst(dtype=tf.uint8, shape=[self.size],
                                               memory_region_name=path)
-            head = tf.slice(whole, begin, size)
-            fp = tf.raw_ops.Fingerprint(data=head[None], method="farmhash64")
-        return self.size, bytes(fp.numpy()[0])
+            first = tf.reshape(tf.slice(whole, begin, length), head)
+            fingerprint = tf.raw_ops.Fingerprint(data=first, method=method)
+        return self.size, bytes(fingerprint.numpy()[0])
 
     def plan_sends(self, segments, weights_of) -> None:
         """Total bytes each task will be sent (for its progress bar): ``weights_of(seg)``
@@ -286,26 +299,36 @@ class WeightLoader:
                 self._reporters[task](sent, sent, f"sending to {short_device(task)}")
 
     def _read(self, device: str, value: PackedTensor, path: str, name: str):
+        """``value``'s rows read on ``device`` from its file at ``path``, as a new variable.
+
+        Op by op, every input made on the client first: a Python value made a tensor under a
+        remote device scope waits for the worker holding the GIL (``faults``). Not one traced
+        function: TF would then treat the file's map as a constant and read a small file once
+        for good (probed: a changed file read as before)."""
         from tfnb.runtime.graphs import client_cpu
 
         with tf.device(client_cpu()):  # small values made here (see weights.variable_on)
             args = [(tf.constant([p.offset], tf.int64),
                      tf.constant([p.span * p.row_bytes], tf.int64),
+                     tf.constant([p.span, p.row_bytes], tf.int64),
                      None if p.order is None else tf.constant(p.order, tf.int64))
                     for p in value.parts]
+            axis = tf.constant(0, tf.int32)
         with tf.device(device):
             whole = tf.raw_ops.ImmutableConst(dtype=tf.uint8, shape=[self.size],
                                               memory_region_name=path)
             pieces = []
-            for p, (begin, length, order) in zip(value.parts, args):
-                rows = tf.reshape(tf.slice(whole, begin, length), [p.span, p.row_bytes])
+            for p, (begin, length, shape, order) in zip(value.parts, args):
+                rows = tf.reshape(tf.slice(whole, begin, length), shape)
                 if order is not None:
-                    rows = tf.gather(rows, order)
-                pieces.append(widen_blocks(rows, p.qtype, value.qtype))
+                    rows = tf.raw_ops.GatherV2(params=rows, indices=order, axis=axis)
+                if p.qtype != value.qtype:
+                    rows = _widen_fn(p.qtype, value.qtype)(rows)
+                pieces.append(rows)
             if len(pieces) > 1:
-                data = tf.concat(pieces, 0)
+                data = tf.raw_ops.ConcatV2(values=pieces, axis=axis)
             elif value.parts[0].order is None and value.parts[0].qtype == value.qtype:
-                # a slice shares the file's map: the variable gets memory of its own
+                # a plain slice shares the file's map: the variable gets memory of its own
                 data = tf.raw_ops.DeepCopy(x=pieces[0])
             else:
                 data = pieces[0]
