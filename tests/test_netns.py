@@ -145,22 +145,25 @@ def test_each_host_reads_its_own_copy_of_the_model(hosts, remote_workers, tmp_pa
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cluster = tfnb.connect(remote_workers, timeout=3)
-    model = tfnb.load_model(mine, progress=False)
-    devices = [f"{t}/device:CPU:0" for t in cluster.workers]
-    files = {"worker:0": copies[0], "worker:1": copies[1]}
-    read = tfnb.place(model, devices, cluster, files=files)
-    assert read.weight_sources == {"worker:0": f"read {copies[0]}",
-                                   "worker:1": f"read {copies[1]}"}
-    sent = tfnb.place(model, devices, cluster, files=False)
-    assert read.generate_ids(PROMPTS, max_new_tokens=6) == \
-        sent.generate_ids(PROMPTS, max_new_tokens=6)
-    data = bytearray(copies[1].read_bytes())
-    data[data.index(b"tiny")] = ord("T")  # another model name: the same size, another header
-    copies[1].write_bytes(bytes(data))
-    with pytest.raises(PlacementError, match=rf"worker:1's '{copies[1]}' has the same size"):
-        tfnb.place(model, devices, cluster, files=files)
-    partly = tfnb.place(model, devices, cluster, files={**files, "worker:1": None})
-    assert partly.weight_sources == {"worker:0": f"read {copies[0]}",
-                                     "worker:1": "sent from the client"}
-    assert partly.generate_ids(PROMPTS, max_new_tokens=6) == \
-        sent.generate_ids(PROMPTS, max_new_tokens=6)
+    try:
+        model = tfnb.load_model(mine, progress=False)
+        devices = [f"{t}/device:CPU:0" for t in cluster.workers]
+        files = {"worker:0": copies[0], "worker:1": copies[1]}
+        read = tfnb.place(model, devices, cluster, files=files)
+        assert read.weight_sources == {"worker:0": f"read {copies[0]}",
+                                       "worker:1": f"read {copies[1]}"}
+        sent = tfnb.place(model, devices, cluster, files=False)
+        assert read.generate_ids(PROMPTS, max_new_tokens=6) == \
+            sent.generate_ids(PROMPTS, max_new_tokens=6)
+        data = bytearray(copies[1].read_bytes())
+        data[data.index(b"tiny")] = ord("T")  # another model name: the same size, another header
+        copies[1].write_bytes(bytes(data))
+        with pytest.raises(PlacementError, match=rf"worker:1's '{copies[1]}' has the same size"):
+            tfnb.place(model, devices, cluster, files=files)
+        partly = tfnb.place(model, devices, cluster, files={**files, "worker:1": None})
+        assert partly.weight_sources == {"worker:0": f"read {copies[0]}",
+                                         "worker:1": "sent from the client"}
+        assert partly.generate_ids(PROMPTS, max_new_tokens=6) == \
+            sent.generate_ids(PROMPTS, max_new_tokens=6)
+    finally:  # the module's workers stop after it: later tests must not find them current
+        cluster.disconnect()

@@ -165,18 +165,18 @@ class WeightLoader:
         # one reporter per worker: their weights are made on threads of their own
         self._reporters = {t: make_reporter(progress) for t in
                            dict.fromkeys(_task(d) for d in devices)}
-        sources = {p.path: p for w in weights.values() for p in (_file_parts(w) or ())}
-        if len(sources) > 1:  # one model, one file
-            sources = {}
-        self.path = next(iter(sources), None)
+        by_path = {p.path: p for w in weights.values() for p in (_file_parts(w) or ())}
+        if len(by_path) > 1:  # one model, one file
+            by_path = {}
+        self.path = next(iter(by_path), None)
         if self.path is not None:
-            first = next(iter(sources.values()))
+            first = next(iter(by_path.values()))
             self.size = int(first.buffer.size)
             header_len = min(p.offset for w in weights.values() for p in (_file_parts(w) or ()))
             self.header = np.asarray(first.buffer[:header_len])
         tasks = list(dict.fromkeys(_task(d) for d in devices))
         self.paths = {t: self._asked_path(t, files) for t in tasks}  # task -> path or None
-        self.sources: dict[str, str] = {}  # task -> what it read, or that it was sent
+        self.sources: dict[str, str] = {}  # task -> the file it read (others were sent)
         self.sent = dict.fromkeys(tasks, 0)
         self._total: dict[str, int] = {}
 
@@ -285,8 +285,6 @@ class WeightLoader:
         out = variable_on(device, value, name)
         nbytes = weight_nbytes(value)
         self.sent[task] = self.sent.get(task, 0) + nbytes
-        if path is None and self.path is not None:
-            self.sources[task] = "sent from the client"
         total = max(self._total.get(task, 0), self.sent[task])
         if total >= SHOW_SENDS_FROM:
             self._reporters[task](self.sent[task], total, f"sending to {short_device(task)}")
