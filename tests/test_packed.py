@@ -276,14 +276,49 @@ def test_a_zero_row_is_not_multiplied():
 
 
 def q8_activations(x_NxC):
-    """``x`` rounded as the int8 route rounds it: per block of 32, scale ``d = max|x| / 127``,
-    ``q = rint(x / d)`` (ties to even, float32 math); returns ``q * d`` and ``d`` (N, C/32)."""
+    """``x`` rounded as the int8 route (and llama.cpp's Q8_0) rounds it: per block of 32,
+    ``q = rint(x * (127 / max|x|))`` (ties to even, float32 math) and scale ``d = max|x| / 127``
+    kept as float16; returns ``q * d``, ``d`` before and ``d`` after the float16 rounding
+    (N, C/32)."""
     x_NxBx32 = x_NxC.reshape(x_NxC.shape[0], -1, 32)
-    d_NxBx1 = np.abs(x_NxBx32).max(-1, keepdims=True) / np.float32(127)
-    inv = np.where(d_NxBx1 > 0, np.float32(1) / np.where(d_NxBx1 > 0, d_NxBx1, 1), 0)
-    q = np.rint(x_NxBx32 * inv.astype(np.float32))
+    amax = np.abs(x_NxBx32).max(-1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.rint(x_NxBx32 * inv)
     assert np.abs(q).max() <= 127
-    return (q * d_NxBx1).reshape(x_NxC.shape).astype(np.float32), d_NxBx1[..., 0]
+    d = amax / np.float32(127)
+    d16 = d.astype(np.float16).astype(np.float32)
+    return (q * d16).reshape(x_NxC.shape).astype(np.float32), d[..., 0], d16[..., 0]
+
+
+def llama_cpp_q8_dot(w_MxR, name, x_NxC):
+    """llama.cpp's dot products of Q4_0, Q4_1 or Q8_0 rows with its Q8_0 (Q4_1: Q8_1)
+    activations, written from ggml's quantize_row_q8_0/q8_1 and vec_dot_*_q8_*, in float64:
+    per block the integer dot of the codes with q, times ``d_w * d_x`` (both float16), and for
+    Q4_1 ``m * s`` with ``s = float16(d_x * sum q)``. Returns (N, M) outputs and, per output,
+    what the float16 ``s`` moves it by at most (Q4_1; else 0)."""
+    N, C = x_NxC.shape
+    M, B = len(w_MxR), C // 32
+    blk = w_MxR.reshape(M, B, {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[name])
+    half = lambda a: a.copy().view(np.float16)[..., 0].astype(np.float64)  # noqa: E731
+    if name == "Q8_0":
+        codes = blk[..., 2:].view(np.int8).astype(np.int64)
+    else:
+        raw = blk[..., 4 if name == "Q4_1" else 2:].astype(np.int64)
+        codes = np.concatenate([raw & 15, raw >> 4], -1) - (8 if name == "Q4_0" else 0)
+    x_NxBx32 = x_NxC.reshape(N, B, 32)
+    amax = np.abs(x_NxBx32).max(-1)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.rint(x_NxBx32 * inv[..., None]).astype(np.int64)
+    d = (amax / np.float32(127)).astype(np.float32)
+    d16 = d.astype(np.float16).astype(np.float64)
+    out = (np.einsum("mbj,nbj->nmb", codes, q) * half(blk[..., :2])[None]
+           * d16[:, None]).sum(-1)
+    if name != "Q4_1":
+        return out, np.zeros_like(out)
+    s_exact = d.astype(np.float64) * q.sum(-1)
+    s16 = (d * q.sum(-1).astype(np.float32)).astype(np.float16).astype(np.float64)
+    m = half(blk[..., 2:4])
+    return out + s16 @ m.T, np.abs(s16 - s_exact) @ np.abs(m).T
 
 
 INT8_CASES = [(1, 32, 1), (7, 96, 3), (33, 576, 9), (5, 1536, 4), (19, 64, 8), (3, 160, 16),
@@ -293,11 +328,12 @@ INT8_CASES = [(1, 32, 1), (7, 96, 3), (33, 576, 9), (5, 1536, 4), (19, 64, 8), (
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("M,C,N", INT8_CASES)
 def test_int8_activations_are_exact_for_the_rounded_activations(name, M, C, N):
-    """The int8 route computes ``round(x) @ dequantize(w).T``: equal to numpy on the rounded
-    activations up to float32 summation (the same tolerance as the float route), and within
-    the rounding's own bound of the float32 result: each activation moves by at most half its
-    block's scale ``d``, so an output moves by at most ``sum_j |w_j| d_j / 2``. Row groups of
-    1 to 8 (and 9, 16), one-block and odd-length rows, blocks of zeros."""
+    """The int8 route computes what llama.cpp computes: equal to its formula (in numpy) up to
+    float32 summation (the same tolerance as the float route), and within the rounding's own
+    bound of the float32 result: each activation moves by at most half its block's scale
+    ``d`` (and the float16 rounding of the scales), so an output moves by at most about
+    ``sum_j |w_j| d_j / 2``. Groups of 8 weight rows and their tails, 1 to 16 activation rows,
+    one-block and odd-length rows, blocks of zeros."""
     import tensorflow as tf
 
     rng = np.random.default_rng(M * C + N + 7)
@@ -309,15 +345,35 @@ def test_int8_activations_are_exact_for_the_rounded_activations(name, M, C, N):
     compiled = tf.function(lambda x, w: kernels.packed_matmul(x, w, qtype, C, "int8"),
                            jit_compile=True)(x_NxC, w_MxR).numpy()
     assert np.array_equal(eager, compiled)  # one kernel behind both
-    xq_NxC, d_NxB = q8_activations(x_NxC)
+    _, d_NxB, d16_NxB = q8_activations(x_NxC)
     scale = np.sqrt(C) * np.abs(ref_MxC).max() * np.abs(x_NxC).max()
-    np.testing.assert_allclose(eager, xq_NxC @ ref_MxC.T, atol=1e-6 * scale, rtol=0)
+    want, s_moves = llama_cpp_q8_dot(w_MxR, name, x_NxC)
+    np.testing.assert_allclose(eager, want, atol=1e-6 * scale, rtol=0)
     absw_MxB = np.abs(ref_MxC).reshape(M, -1, 32).sum(-1)
-    bound_NxM = 0.5 * d_NxB @ absw_MxB.T
+    # a value moves by half its block's step, plus 127 times the float16 rounding of the step
+    bound_NxM = (0.5 * d_NxB + 127 * np.abs(d16_NxB - d_NxB)) @ absw_MxB.T + s_moves
     err_NxM = np.abs(eager - x_NxC.astype(np.float64) @ ref_MxC.T)
     assert (err_NxM <= bound_NxM + 1e-6 * scale).all()
     # and the bound is not vacuous: typical errors are a fraction of it
     assert np.median(err_NxM / (bound_NxM + 1e-30)) < 0.5
+
+
+@pytest.mark.parametrize("name", INT8_TYPES)
+def test_int8_rows_get_the_same_bits_alone_in_any_batch_and_anywhere_in_the_matrix(name):
+    """The int8 code takes weight rows 8 at a time and a range's last few one by one, and
+    activation rows 4 at a time: an output's bits depend on neither (the serving tests rely on
+    a request's tokens not depending on its batch)."""
+    rng = np.random.default_rng(11)
+    w_MxR, _ = packed_rows(rng.standard_normal((37, 576)).astype(np.float32), name)
+    x_NxC = rng.standard_normal((9, 576)).astype(np.float32)
+    q = kernels.QTYPES[name]
+    full = kernels.packed_matmul(x_NxC, w_MxR, q, 576, "int8").numpy()
+    for n in range(9):
+        alone = kernels.packed_matmul(x_NxC[n:n + 1], w_MxR, q, 576, "int8").numpy()
+        assert np.array_equal(alone[0], full[n]), n
+    for start in (1, 3, 8, 30):  # rows that sat in a group of 8 now in a tail, and back
+        shifted = kernels.packed_matmul(x_NxC, w_MxR[start:], q, 576, "int8").numpy()
+        assert np.array_equal(shifted, full[:, start:]), start
 
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
@@ -328,7 +384,7 @@ def test_int8_activations_carry_inf_and_nan_to_their_row_only(name):
     x_NxC[0, 40], x_NxC[1, 70] = np.nan, np.inf
     got = kernels.packed_matmul(x_NxC, w_MxR, kernels.QTYPES[name], 96, "int8").numpy()
     assert np.isnan(got[:2]).all()
-    want = q8_activations(x_NxC[2:])[0] @ ref_MxC.T
+    want = llama_cpp_q8_dot(w_MxR, name, x_NxC[2:])[0]
     np.testing.assert_allclose(got[2:], want, atol=1e-5 * np.abs(want).max(), rtol=0)
 
 
@@ -362,18 +418,20 @@ for k in data.files:
         for route in kernels.ACTIVATIONS:
             out[f"{name}_{n}_{route}"] = kernels.packed_matmul(
                 x, data[k], kernels.QTYPES[name], x.shape[1], route).numpy()
-np.savez(sys.argv[2], isa=kernels.isa(), **out)
+np.savez(sys.argv[2], isa=kernels.isa(), int8_isa=kernels.int8_isa(), **out)
 """
 
 
 def test_portable_and_avx2_code_agree_with_this_cpus_best(tmp_path):
     """``$TFNB_PACKED_PORTABLE=1`` runs the C++ fallback that CPUs without AVX2 get, and
-    ``$TFNB_PACKED_ISA=avx2`` the AVX2 code that CPUs without AVX-512 get: the same rounding of
-    the activations, so every route of each agrees with this machine's best up to summation."""
+    ``$TFNB_PACKED_ISA=avx2`` the AVX2 code that CPUs without AVX-512 get (maddubs for the int8
+    route), ``=avxvnni`` that of CPUs with AVX-VNNI but no AVX-512: every float route agrees
+    with this machine's best up to summation, and the int8 route gives the same bits on every
+    code (each output summed in one order, whichever instruction made its integer dots)."""
     rng = np.random.default_rng(5)
     arrays, refs = {}, {}
     for i, (M, C, N) in enumerate([(7, 96, 3), (11, 576, 9), (6, 160, 2), (5, 96, 8),
-                                         (5, 2336, 9), (4, 2336, 3)]):
+                                   (5, 2336, 9), (4, 2336, 3), (19, 96, 5)]):
         for name in ["F16", *INT8_TYPES, *NEW_TYPES]:
             Cn = cols_for(name, C)
             key = f"{i}k" if Cn != C else f"{i}"  # the K-quants' own activations
@@ -387,32 +445,39 @@ def test_portable_and_avx2_code_agree_with_this_cpus_best(tmp_path):
     np.savez(tmp_path / "in.npz", **arrays)
     outs, isas = {}, {}
     envs = {"portable": {"TFNB_PACKED_PORTABLE": "1"}, "avx2": {"TFNB_PACKED_ISA": "avx2"},
-            "best": {}}
+            "avxvnni": {"TFNB_PACKED_ISA": "avxvnni"}, "best": {}}
     for env, extra in envs.items():
         environ = {k: v for k, v in os.environ.items() if not k.startswith("TFNB_PACKED_")}
         subprocess.run([sys.executable, "-c", _PORTABLE, str(tmp_path / "in.npz"),
                         str(tmp_path / f"{env}.npz")], check=True, timeout=300,
                        env={**environ, **extra, "TF_CPP_MIN_LOG_LEVEL": "3"})
         outs[env] = np.load(tmp_path / f"{env}.npz")
-        isas[env] = str(outs[env]["isa"])
-    assert isas["portable"] == "portable"
-    assert isas["avx2"] in ("avx2", "portable")  # portable on a CPU without AVX2
-    assert isas["best"] == kernels.isa()
+        isas[env] = str(outs[env]["isa"]), str(outs[env]["int8_isa"])
+    assert isas["portable"] == ("portable", "portable")
+    assert isas["avx2"] in (("avx2", "avx2"), ("portable", "portable"))  # a CPU without AVX2
+    assert isas["best"] == (kernels.isa(), kernels.int8_isa())
     for key in outs["best"].files:
-        if key == "isa":
+        if key in ("isa", "int8_isa"):
             continue
         name, i, route = key.rsplit("_", 2)
         x = arrays[f"x_{i}"]
         ref = refs[f"{name}_{i}"]
         tol = 1e-6 * np.sqrt(x.shape[1]) * np.abs(ref).max() * np.nanmax(np.abs(x))
-        for env in ("portable", "avx2"):
+        int8 = route == "int8" and name in INT8_TYPES
+        for env in ("portable", "avx2", "avxvnni"):
+            if int8:
+                assert np.array_equal(outs[env][key], outs["best"][key], equal_nan=True), \
+                    (key, env, isas[env])
             np.testing.assert_allclose(outs[env][key], outs["best"][key], atol=tol, rtol=0)
             assert np.isnan(outs[env][key][0]).all()
         assert np.isnan(outs["best"][key][0]).all()
         x = x[1:]
-        xin = q8_activations(x)[0] if route == "int8" and name in INT8_TYPES else x
+        want = llama_cpp_q8_dot(arrays[f"w_{name}_{i}"], name, x)[0] if int8 else x @ ref.T
         for env in envs:
-            np.testing.assert_allclose(outs[env][key][1:], xin @ ref.T, atol=tol, rtol=0)
+            np.testing.assert_allclose(outs[env][key][1:], want, atol=tol, rtol=0)
+    # the codes this CPU has ran (an AVX-512 VNNI CPU runs all four int8 codes)
+    if isas["best"][1] == "vnni512":
+        assert isas["avxvnni"][1] in ("avxvnni", "avx2")
 
 
 _CONCURRENT = """

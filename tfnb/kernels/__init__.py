@@ -135,8 +135,8 @@ def library():
             library = tf.load_op_library(path)
             native = ctypes.CDLL(path)  # the same loaded copy; see packed_op.cc
             native.tfnb_register_xla_kernels()
-            native.tfnb_packed_isa.restype = ctypes.c_char_p
-            _isa = native.tfnb_packed_isa().decode()
+            native.tfnb_packed_isa.restype = native.tfnb_int8_isa.restype = ctypes.c_char_p
+            _isa = native.tfnb_packed_isa().decode(), native.tfnb_int8_isa().decode()
             _loaded = library
         return _loaded
 
@@ -152,7 +152,22 @@ def isa() -> str:
     True
     """
     library()
-    return _isa
+    return _isa[0]
+
+
+def int8_isa() -> str:
+    """The integer dot product the int8 route runs on this CPU: ``"vnni512"`` (AVX512-VNNI
+    on 256-bit vectors), ``"avxvnni"`` (AVX-VNNI), ``"avx2"`` (maddubs) or ``"portable"``.
+    ``$TFNB_PACKED_ISA=avx2`` caps it at ``avx2``, ``=avxvnni`` at ``avxvnni`` (and the
+    float route at AVX2, as on a CPU with AVX-VNNI but no AVX-512).
+
+    Examples
+    --------
+    >>> int8_isa() in ("vnni512", "avxvnni", "avx2", "portable")
+    True
+    """
+    library()
+    return _isa[1]
 
 
 ACTIVATIONS = ("float32", "int8")
@@ -161,12 +176,11 @@ ACTIVATIONS = ("float32", "int8")
 def packed_matmul(x_NxC, w_MxR, qtype: int, cols: int, activations: str = "float32"):
     """``x @ dequantize(w).T``: float32 ``(N, M)`` from ``x`` (N, cols) and packed rows.
 
-    ``activations="int8"`` first rounds each row of ``x`` to blocks of 32 int8 values with a
-    float scale ``max|x| / 127`` (as llama.cpp's Q8 activations) and multiplies with integer
-    dot products for Q4_0, Q4_1 and Q8_0 weights, exact for the rounded ``x`` (each value moves
-    by at most half its block's scale). It is faster where the float route runs its AVX2 code
-    (``benchmarks/results/kernel_avx2.md``); where it runs AVX-512, no faster at 1 row and
-    slower from 4 rows (``benchmarks/results/kernel.md``; ``docs/kernels.md``). The other types
+    ``activations="int8"`` computes as llama.cpp does for Q4_0, Q4_1 and Q8_0 weights: each row
+    of ``x`` rounded to blocks of 32 int8 values (scale ``max|x| / 127`` kept as float16, as
+    llama.cpp's Q8_0/Q8_1 activations), integer dot products per block, exact for the rounded
+    ``x`` (each value moves by at most half its block's scale), summed in block order. A row
+    gets the same bits on every CPU and at any batch size (docs/kernels.md). The other types
     (F32, F16, BF16, Q5_0, Q5_1 and the K-quants) ignore it.
     """
     if activations not in ACTIVATIONS:

@@ -171,27 +171,31 @@ void RowsAvx512(const uint8_t* w, int64_t row_bytes, int64_t cols, const float* 
                 float* y, int64_t M, int64_t m0, int64_t m1);
 #endif  // TFNB_X86
 
-// packed_int8.cc: activation rows rounded to int8 blocks once per call, then integer dot
-// products with Q4_0, Q4_1 and Q8_0 rows (the op's `activations = "int8"`).
+// packed_int8.cc: activation rows rounded to int8 blocks once per call as llama.cpp rounds
+// them, then integer dot products with Q4_0, Q4_1 and Q8_0 rows (the op's
+// `activations = "int8"`).
 struct QuantizedRows {
-  int64_t n = 0, nb = 0;  // rows, blocks per row
-  int64_t n8 = 0;               // n rounded up to a multiple of 8
-  std::unique_ptr<int8_t[]> q;  // [nb, n, 32]: block-major, a group of rows' block is contiguous
-  std::unique_ptr<float[]> d;   // [n, nb]
-  std::unique_ptr<float[]> s;   // [n, nb]
-  std::unique_ptr<float[]> dt;  // d transposed, [nb, n8] (zero past n): a group's side by side
-  const int8_t* Q(int64_t b, int64_t r) const { return q.get() + (b * n + r) * kBlock; }
+  int64_t n = 0, nb = 0;          // rows, blocks per row
+  std::unique_ptr<int8_t[]> q;    // [n, nb, 32]
+  std::unique_ptr<float[]> d;     // [n, nb]: each block's scale, float16-rounded
+  std::unique_ptr<int32_t[]> sum; // [n, nb]: sum of each block's q
+  std::unique_ptr<float[]> s;     // [n, nb]: float16(d * sum q), Q4_1's offset term
+  const int8_t* Q(int64_t r, int64_t b) const { return q.get() + (r * nb + b) * kBlock; }
   const float* D(int64_t r) const { return d.get() + r * nb; }
+  const int32_t* Sum(int64_t r) const { return sum.get() + r * nb; }
   const float* S(int64_t r) const { return s.get() + r * nb; }
 };
 
+uint16_t FloatToHalf(float f);
 void QuantizeRows(const float* x, int64_t N, int64_t cols, QuantizedRows* out);
 void RowsQ8Portable(int qtype, const uint8_t* w, int64_t row_bytes, const QuantizedRows& xq,
                     float* y, int64_t M, int64_t m0, int64_t m1);
 #ifdef TFNB_X86
-template <int QT>
-void RowsQ8Avx2(const uint8_t* w, int64_t row_bytes, const QuantizedRows& xq, float* y,
-                int64_t M, int64_t m0, int64_t m1);
+// The integer dot instruction the x86 int8 code uses (Int8Dot in packed_op.cc).
+enum Int8Dot : int { kInt8Maddubs = 0, kInt8AvxVnni = 1, kInt8Vnni512 = 2 };
+template <int QT, int kDot>
+void RowsQ8X86(const uint8_t* w, int64_t row_bytes, const QuantizedRows& xq, float* y,
+               int64_t M, int64_t m0, int64_t m1);
 #endif
 
 }  // namespace packed

@@ -1,8 +1,18 @@
-// The opt-in int8-activation route (the op's `activations = "int8"`): activations rounded to
-// int8 blocks, then integer dot products with Q4_0, Q4_1 and Q8_0 rows. Its portable and AVX2
-// code sit side by side because they must round the activations identically for machines to
-// agree. It has no AVX-512 code: on CPUs where the float route runs AVX-512, this route is no
-// faster than it (docs/kernels.md).
+// The int8 route (the op's `activations = "int8"`): llama.cpp's numerics for Q4_0, Q4_1 and
+// Q8_0 weights. Each activation row is rounded once per call into blocks of 32 int8 values as
+// llama.cpp's quantize_row_q8_0/q8_1 round them: d = max|x| / 127 kept as float16,
+// q = x * (127 / max|x|) rounded to nearest even, and for Q4_1 s = float16(d * sum q). A weight
+// block's integer dot with q is exact; the row's output is the float sum over its blocks, in
+// block order, of isum * (d_w * d_x) (fused multiply-adds), plus for Q4_1 the sum of m * s.
+// Every code below computes each output in exactly that order, so a row gets the same bits
+// on every CPU, alone or in any batch, at any place in a row range.
+//
+// The x86 code takes 8 weight rows at a time: their codes are transposed in registers so that
+// one 32-bit word of activations (4 values), broadcast, meets 4 codes of each of the 8 rows in
+// one integer dot instruction (vpdpbusd with AVX512-VNNI or AVX-VNNI, maddubs + madd on AVX2),
+// and each lane holds one row's sum: no horizontal sums, the 8 rows' scales in one gather.
+// The weights stay in the GGUF layout, so every other reader of them (lookups, dequantize,
+// the file reads on the workers) is unchanged.
 
 #include <algorithm>
 #include <cmath>
@@ -14,15 +24,27 @@
 
 namespace tfnb {
 namespace packed {
+
+// float32 -> float16, rounded to nearest even (as F16C and llama.cpp's GGML_FP32_TO_FP16):
+// the float16 scaling trick of the FP16 library, exact for every input.
+uint16_t FloatToHalf(float f) {
+  auto bits = [](float v) { uint32_t u; std::memcpy(&u, &v, 4); return u; };
+  auto from = [](uint32_t u) { float v; std::memcpy(&v, &u, 4); return v; };
+  float base = (std::fabs(f) * 0x1.0p+112f) * 0x1.0p-110f;
+  const uint32_t w = bits(f), shl1 = w + w, sign = w & 0x80000000u;
+  uint32_t bias = shl1 & 0xff000000u;
+  if (bias < 0x71000000u) bias = 0x71000000u;
+  base = from((bias >> 1) + 0x07800000u) + base;
+  const uint32_t b = bits(base);
+  const uint32_t nonsign = ((b >> 13) & 0x00007c00u) + (b & 0x00000fffu);
+  return static_cast<uint16_t>((sign >> 16) | (shl1 > 0xff000000u ? 0x7e00u : nonsign));
+}
+
 namespace {
 
-// Each activation row is quantized once per call into blocks of 32 int8 q with a float scale
-// d = max|x| / 127 (q = x / d rounded to nearest even) and s = d * sum(q). A weight block's dot
-// is then an integer dot of its 32 codes with q, scaled by d_w * d_x; the offset of a Q4 block
-// (Q4_0: -8 d_w, Q4_1: m) multiplies s. The result is exactly dequantize(w) . dequantize(q(x))
-// up to float rounding: the only approximation is the activations' rounding, at most d_x / 2
-// per value. A block holding an inf or NaN gets scale NaN (its row's outputs are NaN).
-void QuantizeBlockPortable(const float* x, int8_t* q, float* d_out, float* s_out) {
+// One block of 32: q, d (float16-rounded), sum q, s = float16(d * sum q). A block holding an
+// inf or NaN gets d = s = NaN (its row's outputs are NaN).
+void QuantizeBlock(const float* x, int8_t* q, float* d_out, int32_t* sum_out, float* s_out) {
   float amax = 0.f, probe = 0.f;  // probe: NaN if any value is inf or NaN
   for (int j = 0; j < kBlock; ++j) {
     amax = std::max(amax, std::fabs(x[j]));
@@ -31,53 +53,53 @@ void QuantizeBlockPortable(const float* x, int8_t* q, float* d_out, float* s_out
   if (probe != probe) {
     std::memset(q, 0, kBlock);
     *d_out = *s_out = std::nanf("");
+    *sum_out = 0;
     return;
   }
-  const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
-  int sum = 0;
+  const float d = amax / 127.f, id = amax != 0.f ? 127.f / amax : 0.f;
+  int32_t sum = 0;
   for (int j = 0; j < kBlock; ++j) {
-    q[j] = static_cast<int8_t>(std::nearbyint(x[j] * id));
+    q[j] = static_cast<int8_t>(std::nearbyint(x[j] * id));  // the default mode: nearest even
     sum += q[j];
   }
-  *d_out = d;
-  *s_out = d * static_cast<float>(sum);
+  *d_out = HalfToFloat(FloatToHalf(d));
+  *sum_out = sum;
+  *s_out = HalfToFloat(FloatToHalf(d * static_cast<float>(sum)));
 }
 
-#ifdef TFNB_X86
-TFNB_AVX2 void QuantizeBlockAvx2(const float* x, int8_t* q, float* d_out, float* s_out) {
-  const __m256 sign = _mm256_set1_ps(-0.f);
-  __m256 v[4];
-  __m256 amax = _mm256_setzero_ps(), probe = _mm256_setzero_ps();
-  for (int k = 0; k < 4; ++k) {
-    v[k] = _mm256_loadu_ps(x + 8 * k);
-    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[k]));
-    probe = _mm256_add_ps(probe, _mm256_mul_ps(v[k], _mm256_setzero_ps()));
+template <int QT>
+constexpr int CodeOffset() { return QT == kQ4_1 ? 4 : 2; }
+
+// Row m's output for activation row n, one block at a time: what every code computes.
+template <int QT>
+float DotRowPortable(const uint8_t* row, const QuantizedRows& xq, int64_t n) {
+  float acc = 0.f, accm = 0.f;
+  for (int64_t b = 0; b < xq.nb; ++b) {
+    const uint8_t* blk = row + b * BlockBytes<QT>();
+    const uint8_t* codes = blk + CodeOffset<QT>();
+    const int8_t* q = xq.Q(n, b);
+    int32_t isum = 0;
+    if (QT == kQ8_0) {
+      for (int j = 0; j < kBlock; ++j) isum += static_cast<int8_t>(codes[j]) * q[j];
+    } else {
+      for (int j = 0; j < 16; ++j) isum += (codes[j] & 15) * q[j] + (codes[j] >> 4) * q[j + 16];
+      if (QT == kQ4_0) isum -= 8 * xq.Sum(n)[b];
+    }
+    const float dd = HalfToFloat(LoadU16(blk)) * xq.D(n)[b];
+    acc = std::fma(static_cast<float>(isum), dd, acc);
+    if (QT == kQ4_1) accm = std::fma(HalfToFloat(LoadU16(blk + 2)), xq.S(n)[b], accm);
   }
-  if (_mm256_movemask_ps(_mm256_cmp_ps(probe, probe, _CMP_UNORD_Q))) {
-    std::memset(q, 0, kBlock);
-    *d_out = *s_out = std::nanf("");
-    return;
-  }
-  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-  const float d = _mm_cvtss_f32(m4) / 127.f, id = d != 0.f ? 1.f / d : 0.f;
-  const __m256 idv = _mm256_set1_ps(id);
-  __m256i i[4];
-  for (int k = 0; k < 4; ++k) i[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], idv));  // nearest even
-  const __m256i sum32 = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
-  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum32), _mm256_extracti128_si256(sum32, 1));
-  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
-  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
-  // packs work per 128-bit lane: undo the interleave with one permute
-  const __m256i p01 = _mm256_packs_epi32(i[0], i[1]), p23 = _mm256_packs_epi32(i[2], i[3]);
-  const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23),
-                                                    _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), bytes);
-  *d_out = d;
-  *s_out = d * static_cast<float>(_mm_cvtsi128_si32(s4));
+  return QT == kQ4_1 ? acc + accm : acc;
 }
-#endif
+
+template <int QT>
+void RowsQ8PortableT(const uint8_t* w, int64_t row_bytes, const QuantizedRows& xq, float* y,
+                     int64_t M, int64_t m0, int64_t m1) {
+  for (int64_t m = m0; m < m1; ++m) {
+    PrefetchRow(w + m * row_bytes, row_bytes, w + m1 * row_bytes);
+    for (int64_t n = 0; n < xq.n; ++n) y[n * M + m] = DotRowPortable<QT>(w + m * row_bytes, xq, n);
+  }
+}
 
 }  // namespace
 
@@ -87,166 +109,159 @@ void QuantizeRows(const float* x, int64_t N, int64_t cols, QuantizedRows* out) {
   out->q.reset(new int8_t[N * cols]);
   out->d.reset(new float[N * out->nb]);
   out->s.reset(new float[N * out->nb]);
-#ifdef TFNB_X86
-  const bool avx2 = HaveAvx2();
-#endif
-  for (int64_t i = 0; i < N * out->nb; ++i) {  // i = r * nb + b
-    int8_t* q = out->q.get() + ((i % out->nb) * N + i / out->nb) * kBlock;
-#ifdef TFNB_X86
-    if (avx2) {
-      QuantizeBlockAvx2(x + i * kBlock, q, &out->d[i], &out->s[i]);
-      continue;
-    }
-#endif
-    QuantizeBlockPortable(x + i * kBlock, q, &out->d[i], &out->s[i]);
-  }
-  out->n8 = (N + 7) / 8 * 8;
-  out->dt.reset(new float[out->nb * out->n8]());
-  for (int64_t r = 0; r < N; ++r)
-    for (int64_t b = 0; b < out->nb; ++b) out->dt[b * out->n8 + r] = out->d[r * out->nb + b];
+  out->sum.reset(new int32_t[N * out->nb]);
+  for (int64_t i = 0; i < N * out->nb; ++i)  // i = n * nb + b
+    QuantizeBlock(x + i * kBlock, out->q.get() + i * kBlock, &out->d[i], &out->sum[i],
+                  &out->s[i]);
 }
 
-// Portable: integer dot of each block, d_w * d_x times it, plus the offset times s.
 void RowsQ8Portable(int qtype, const uint8_t* w, int64_t row_bytes, const QuantizedRows& xq,
                     float* y, int64_t M, int64_t m0, int64_t m1) {
-  const int64_t nb = xq.nb;
-  int8_t code[kBlock];
-  for (int64_t m = m0; m < m1; ++m) {
-    PrefetchRow(w + m * row_bytes, row_bytes, w + m1 * row_bytes);
-    for (int64_t n = 0; n < xq.n; ++n) {
-      const uint8_t* blk = w + m * row_bytes;
-      float acc = 0.f, off_acc = 0.f;
-      for (int64_t b = 0; b < nb; ++b) {
-        const int8_t* q = xq.Q(b, n);
-        const float dw = HalfToFloat(LoadU16(blk));
-        float off = 0.f;
-        if (qtype == kQ8_0) {
-          std::memcpy(code, blk + 2, kBlock);
-          blk += 34;
-        } else {
-          const uint8_t* qs = blk + (qtype == kQ4_1 ? 4 : 2);
-          for (int j = 0; j < 16; ++j) {
-            code[j] = static_cast<int8_t>(qs[j] & 0x0f);
-            code[j + 16] = static_cast<int8_t>(qs[j] >> 4);
-          }
-          off = qtype == kQ4_1 ? HalfToFloat(LoadU16(blk + 2)) : -8.f * dw;
-          blk += qtype == kQ4_1 ? 20 : 18;
-        }
-        int32_t dot = 0;
-        for (int j = 0; j < kBlock; ++j) dot += static_cast<int32_t>(code[j]) * q[j];
-        acc += dw * xq.D(n)[b] * static_cast<float>(dot);
-        off_acc += off * xq.S(n)[b];
-      }
-      y[n * M + m] = acc + off_acc;
-    }
+  switch (qtype) {
+    case kQ4_0: return RowsQ8PortableT<kQ4_0>(w, row_bytes, xq, y, M, m0, m1);
+    case kQ4_1: return RowsQ8PortableT<kQ4_1>(w, row_bytes, xq, y, M, m0, m1);
+    case kQ8_0: return RowsQ8PortableT<kQ8_0>(w, row_bytes, xq, y, M, m0, m1);
   }
 }
 
 #ifdef TFNB_X86
 namespace {
 
-TFNB_AVX2 float DotAvx2(const float* a, const float* b, int64_t n) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc);
-  float s = HSum(acc);
-  for (; j < n; ++j) s += a[j] * b[j];
-  return s;
-}
-
-// NN activation rows against one weight row: each block's codes are decoded once into a
-// vector of 32 bytes (Q4: 0..15; Q8_0: |code| with the sign moved onto the activations), then
-// per row maddubs (u8 x s8 pairs to s16; at most 2 * 128 * 127, no saturation) and madd with
-// ones give 8 int32 partial sums, converted and scaled by d_w * d_x into a float accumulator.
-// Q4 offsets are collected per block in `off` and dotted with the rows' s at the end.
-constexpr int kMaxNQ = 8;
-
-template <int QT, int NN>
-TFNB_AVX2 inline void BlockQ8Avx2(const uint8_t* blk, int64_t b, const int8_t* q,
-                                  const float* dt, float* off, __m256* acc) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  const float dw = HalfToFloatF16C(blk);
-  __m256i code, sgn;
-  if (QT == kQ8_0) {
-    sgn = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
-    code = _mm256_abs_epi8(sgn);
+// acc + the dot of each 4 unsigned bytes of u with the 4 signed bytes of s, per 32-bit lane.
+// The VNNI forms are written in assembly so that this one function (and the kernel it is
+// inlined into) keeps the AVX2 target: the compiler then uses no other AVX-512 instruction,
+// and the dispatch (Int8Dot) runs each form only where the CPU has it. maddubs's 16-bit pair
+// sums stay below 2^15 for the operands the kernel gives it (|u| <= 128, |s| <= 127, or
+// u <= 15).
+template <int kDot>
+TFNB_AVX2 inline __m256i DotU8S8(__m256i acc, __m256i u, __m256i s) {
+  if constexpr (kDot == kInt8Vnni512) {
+    asm("vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u), "x"(s));
+    return acc;
+  } else if constexpr (kDot == kInt8AvxVnni) {
+    asm("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u), "x"(s));
+    return acc;
   } else {
-    const __m128i mask = _mm_set1_epi8(0x0f);
-    const __m128i raw =
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (QT == kQ4_1 ? 4 : 2)));
-    code = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask),
-                            _mm_and_si128(raw, mask));
-    off[b] = QT == kQ4_1 ? HalfToFloatF16C(blk + 2) : -8.f * dw;
-  }
-  for (int n = 0; n < NN; ++n) {
-    __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + n * kBlock));
-    if (QT == kQ8_0) xv = _mm256_sign_epi8(xv, sgn);
-    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(code, xv), ones);
-    acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(dw * dt[n]), _mm256_cvtepi32_ps(p), acc[n]);
+    return _mm256_add_epi32(
+        acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
   }
 }
 
-template <int QT, int NN>
-TFNB_AVX2 void DotRowQ8Avx2(const uint8_t* row, const QuantizedRows& xq, int64_t n0, float* off,
-                            float* out) {
-  constexpr int bytes = QT == kQ4_0 ? 18 : QT == kQ4_1 ? 20 : 34;
-  const int64_t nb = xq.nb;
-  const float* dt = xq.dt.get() + n0;
-  // up to two rows, two accumulators per row: consecutive blocks do not wait on each other's
-  // FMA (more rows are independent chains already, and more registers would spill)
-  constexpr int A = NN <= 2 ? 2 : 1;
-  __m256 acc[A][NN];
-  for (int a = 0; a < A; ++a)
-    for (int n = 0; n < NN; ++n) acc[a][n] = _mm256_setzero_ps();
-  int64_t b = 0;
-  for (; b + A <= nb; b += A)
-    for (int a = 0; a < A; ++a)
-      BlockQ8Avx2<QT, NN>(row + (b + a) * bytes, b + a, xq.Q(b + a, n0), dt + (b + a) * xq.n8, off,
-                          acc[a]);
-  if (b < nb) BlockQ8Avx2<QT, NN>(row + b * bytes, b, xq.Q(b, n0), dt + b * xq.n8, off, acc[0]);
-  for (int n = 0; n < NN; ++n) {
-    __m256 s = acc[0][n];
-    for (int a = 1; a < A; ++a) s = _mm256_add_ps(s, acc[a][n]);
-    out[n] = HSum(s) + (QT == kQ8_0 ? 0.f : DotAvx2(off, xq.S(n0 + n), nb));
-  }
+// 16 bytes of each of 8 rows (p + r * stride) as 4 vectors: vector k, lane r = row r's bytes
+// 4k to 4k + 3.
+TFNB_AVX2 inline __m256i RowPair(const uint8_t* p, int64_t stride, int r) {  // rows r, r + 4
+  return _mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + r * stride))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + (r + 4) * stride)), 1);
 }
 
-template <int QT, int NN>
-void RowsQ8Avx2N(const uint8_t* w, int64_t row_bytes, const QuantizedRows& xq, int64_t n0,
-                 float* y, int64_t M, int64_t m0, int64_t m1, float* off) {
-  float out[NN];
-  for (int64_t m = m0; m < m1; ++m) {
-    PrefetchRow(w + m * row_bytes, row_bytes, w + m1 * row_bytes);
-    DotRowQ8Avx2<QT, NN>(w + m * row_bytes, xq, n0, off, out);
-    for (int n = 0; n < NN; ++n) y[(n0 + n) * M + m] = out[n];
+TFNB_AVX2 inline void Transpose8x16(const uint8_t* p, int64_t stride, __m256i* k) {
+  const __m256i a = RowPair(p, stride, 0), b = RowPair(p, stride, 1);
+  const __m256i c = RowPair(p, stride, 2), d = RowPair(p, stride, 3);
+  const __m256i t0 = _mm256_unpacklo_epi32(a, b), t1 = _mm256_unpackhi_epi32(a, b);
+  const __m256i t2 = _mm256_unpacklo_epi32(c, d), t3 = _mm256_unpackhi_epi32(c, d);
+  k[0] = _mm256_unpacklo_epi64(t0, t2);
+  k[1] = _mm256_unpackhi_epi64(t0, t2);
+  k[2] = _mm256_unpacklo_epi64(t1, t3);
+  k[3] = _mm256_unpackhi_epi64(t1, t3);
+}
+
+TFNB_AVX2 inline __m256i Broadcast4(const int8_t* q) {
+  int32_t v;
+  std::memcpy(&v, q, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// Rows m to m + 7 against activation rows n0 to n0 + NN - 1: y[n, m + r].
+template <int QT, int NN, int kDot>
+TFNB_AVX2 void Group8(const uint8_t* w, int64_t rb, const QuantizedRows& xq, int64_t n0,
+                      int64_t m, const uint8_t* end, float* y, int64_t M) {
+  constexpr int bytes = BlockBytes<QT>();
+  // Q8_0's signed codes: VNNI takes them offset by 128 (and takes 128 sum q off again);
+  // maddubs takes their magnitude, their sign moved onto the activations
+  constexpr bool kOffset8 = QT == kQ8_0 && kDot != kInt8Maddubs;
+  const __m256i vindex = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                            _mm256_set1_epi32(static_cast<int>(rb)));
+  const __m256i nib = _mm256_set1_epi8(0x0f);
+  // a gathered dword's float16 d (bytes 0-1) and Q4_1's m (bytes 2-3), each lane's 4 to the
+  // low half of its 128 bits
+  const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                         0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+  __m256 acc[NN], accm[NN];
+  for (int n = 0; n < NN; ++n) acc[n] = accm[n] = _mm256_setzero_ps();
+  const uint8_t* base = w + m * rb;
+  const uint8_t* next = base + 8 * rb;  // the next group, read ahead a block's lines at a time
+  for (int64_t b = 0; b < xq.nb; ++b) {
+    const uint8_t* blk = base + b * bytes;
+    if (b % (QT == kQ8_0 ? 2 : 4) == 0 && next + b * bytes < end)
+      for (int r = 0; r < 8; ++r) __builtin_prefetch(next + r * rb + b * bytes, 0, 3);
+    const __m256i heads = _mm256_permute4x64_epi64(
+        _mm256_shuffle_epi8(_mm256_i32gather_epi32(reinterpret_cast<const int*>(blk), vindex, 1),
+                            split), 0xd8);  // d0-3 d4-7 | m0-3 m4-7
+    const __m256 dw = _mm256_cvtph_ps(_mm256_castsi256_si128(heads));
+    const __m256 mw = _mm256_cvtph_ps(_mm256_extracti128_si256(heads, 1));
+    __m256i k[8], u[8];  // code vectors; u: their unsigned operands, 4 values a lane each
+    Transpose8x16(blk + CodeOffset<QT>(), rb, k);
+    if (QT == kQ8_0) {
+      Transpose8x16(blk + CodeOffset<QT>() + 16, rb, k + 4);
+      for (int j = 0; j < 8; ++j)
+        u[j] = kOffset8 ? _mm256_xor_si256(k[j], _mm256_set1_epi8(-128)) : _mm256_abs_epi8(k[j]);
+    } else {
+      for (int j = 0; j < 4; ++j) {
+        u[j] = _mm256_and_si256(k[j], nib);                           // values 4j..4j+3
+        u[j + 4] = _mm256_and_si256(_mm256_srli_epi16(k[j], 4), nib);  // 16 + 4j..
+      }
+    }
+    for (int n = 0; n < NN; ++n) {
+      const int8_t* q = xq.Q(n0 + n, b);
+      const int32_t sum = xq.Sum(n0 + n)[b];
+      __m256i isum = _mm256_set1_epi32(QT == kQ4_0 ? -8 * sum : kOffset8 ? -128 * sum : 0);
+      for (int j = 0; j < 8; ++j) {  // u[j]: values 4j to 4j + 3 of each row's block
+        __m256i s = Broadcast4(q + 4 * j);
+        if (QT == kQ8_0 && !kOffset8) s = _mm256_sign_epi8(s, k[j]);
+        isum = DotU8S8<kDot>(isum, u[j], s);
+      }
+      const __m256 dd = _mm256_mul_ps(dw, _mm256_set1_ps(xq.D(n0 + n)[b]));
+      acc[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), dd, acc[n]);
+      if (QT == kQ4_1) accm[n] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xq.S(n0 + n)[b]), accm[n]);
+    }
+  }
+  for (int n = 0; n < NN; ++n) {
+    const __m256 out = QT == kQ4_1 ? _mm256_add_ps(acc[n], accm[n]) : acc[n];
+    _mm256_storeu_ps(y + (n0 + n) * M + m, out);
   }
 }
 
 }  // namespace
 
-template <int QT>
-void RowsQ8Avx2(const uint8_t* w, int64_t row_bytes, const QuantizedRows& xq, float* y,
-                int64_t M, int64_t m0, int64_t m1) {
-  std::unique_ptr<float[]> off(new float[xq.nb]);
-  for (int64_t n0 = 0; n0 < xq.n;) {
-    const int64_t left = xq.n - n0;
-    const int nn = left >= kMaxNQ ? kMaxNQ : static_cast<int>(left);
-    switch (nn) {
-#define TFNB_CASE(K) case K: RowsQ8Avx2N<QT, K>(w, row_bytes, xq, n0, y, M, m0, m1, off.get()); break;
-      TFNB_CASE(1) TFNB_CASE(2) TFNB_CASE(3) TFNB_CASE(4)
-      TFNB_CASE(5) TFNB_CASE(6) TFNB_CASE(7) TFNB_CASE(8)
-#undef TFNB_CASE
+template <int QT, int kDot>
+void RowsQ8X86(const uint8_t* w, int64_t row_bytes, const QuantizedRows& xq, float* y,
+               int64_t M, int64_t m0, int64_t m1) {
+  const uint8_t* end = w + m1 * row_bytes;
+  int64_t m = m0;
+  for (; m + 8 <= m1; m += 8) {
+    for (int64_t n0 = 0; n0 < xq.n; n0 += 4) {
+      switch (std::min<int64_t>(4, xq.n - n0)) {
+        case 1: Group8<QT, 1, kDot>(w, row_bytes, xq, n0, m, end, y, M); break;
+        case 2: Group8<QT, 2, kDot>(w, row_bytes, xq, n0, m, end, y, M); break;
+        case 3: Group8<QT, 3, kDot>(w, row_bytes, xq, n0, m, end, y, M); break;
+        default: Group8<QT, 4, kDot>(w, row_bytes, xq, n0, m, end, y, M); break;
+      }
     }
-    n0 += nn;
   }
+  if (m < m1) RowsQ8PortableT<QT>(w, row_bytes, xq, y, M, m, m1);
 }
 
-template void RowsQ8Avx2<kQ4_0>(const uint8_t*, int64_t, const QuantizedRows&, float*, int64_t,
-                                int64_t, int64_t);
-template void RowsQ8Avx2<kQ4_1>(const uint8_t*, int64_t, const QuantizedRows&, float*, int64_t,
-                                int64_t, int64_t);
-template void RowsQ8Avx2<kQ8_0>(const uint8_t*, int64_t, const QuantizedRows&, float*, int64_t,
-                                int64_t, int64_t);
+#define TFNB_INT8_INSTANCE(QT, DOT)                                                       \
+  template void RowsQ8X86<QT, DOT>(const uint8_t*, int64_t, const QuantizedRows&, float*, \
+                                   int64_t, int64_t, int64_t);
+#define TFNB_INT8_INSTANCES(DOT) \
+  TFNB_INT8_INSTANCE(kQ4_0, DOT) TFNB_INT8_INSTANCE(kQ4_1, DOT) TFNB_INT8_INSTANCE(kQ8_0, DOT)
+TFNB_INT8_INSTANCES(kInt8Maddubs)
+TFNB_INT8_INSTANCES(kInt8AvxVnni)
+TFNB_INT8_INSTANCES(kInt8Vnni512)
+#undef TFNB_INT8_INSTANCES
+#undef TFNB_INT8_INSTANCE
 #endif  // TFNB_X86
 
 }  // namespace packed

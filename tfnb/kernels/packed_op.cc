@@ -52,9 +52,29 @@ bool HaveAvx2() {
 bool HaveAvx512() {
   static const bool have = HaveAvx2() && __builtin_cpu_supports("avx512f") &&
                            __builtin_cpu_supports("avx512bw") &&
-                           __builtin_cpu_supports("avx512vl") && !IsaCapped("avx2");
+                           __builtin_cpu_supports("avx512vl") && !IsaCapped("avx2") &&
+                           !IsaCapped("avxvnni");
   return have;
 }
+
+namespace {
+
+// The int8 route's dot instruction on this CPU, or -1 for the portable code:
+// $TFNB_PACKED_ISA=avx2 caps it at maddubs, =avxvnni at AVX-VNNI (what a CPU with AVX2 and
+// AVX-VNNI but no AVX-512 runs).
+int Int8DotKind() {
+#ifdef TFNB_X86
+  static const int kind = !HaveAvx2() ? -1
+      : HaveAvx512() && __builtin_cpu_supports("avx512vnni") ? kInt8Vnni512
+      : !IsaCapped("avx2") && __builtin_cpu_supports("avxvnni") ? kInt8AvxVnni
+      : kInt8Maddubs;
+  return kind;
+#else
+  return -1;
+#endif
+}
+
+}  // namespace
 
 namespace {
 
@@ -68,13 +88,18 @@ using tensorflow::errors::InvalidArgument;
 void RowsQ8(int qtype, const uint8_t* w, int64_t row_bytes, const QuantizedRows& xq, float* y,
             int64_t M, int64_t m0, int64_t m1) {
 #ifdef TFNB_X86
-  if (HaveAvx2()) {
-    switch (qtype) {
-      case kQ4_0: return RowsQ8Avx2<kQ4_0>(w, row_bytes, xq, y, M, m0, m1);
-      case kQ4_1: return RowsQ8Avx2<kQ4_1>(w, row_bytes, xq, y, M, m0, m1);
-      case kQ8_0: return RowsQ8Avx2<kQ8_0>(w, row_bytes, xq, y, M, m0, m1);
-    }
+#define TFNB_INT8_CASES(DOT)                                                  \
+  switch (qtype) {                                                            \
+    case kQ4_0: return RowsQ8X86<kQ4_0, DOT>(w, row_bytes, xq, y, M, m0, m1); \
+    case kQ4_1: return RowsQ8X86<kQ4_1, DOT>(w, row_bytes, xq, y, M, m0, m1); \
+    case kQ8_0: return RowsQ8X86<kQ8_0, DOT>(w, row_bytes, xq, y, M, m0, m1); \
   }
+  switch (Int8DotKind()) {
+    case kInt8Vnni512: TFNB_INT8_CASES(kInt8Vnni512) break;
+    case kInt8AvxVnni: TFNB_INT8_CASES(kInt8AvxVnni) break;
+    case kInt8Maddubs: TFNB_INT8_CASES(kInt8Maddubs) break;
+  }
+#undef TFNB_INT8_CASES
 #endif
   RowsQ8Portable(qtype, w, row_bytes, xq, y, M, m0, m1);
 }
@@ -357,6 +382,19 @@ extern "C" const char* tfnb_packed_isa() {
   if (HaveAvx2()) return "avx2";
 #endif
   return "portable";
+}
+
+// The int8 route's dot instruction on this CPU: "vnni512", "avxvnni", "avx2" (maddubs) or
+// "portable" (tfnb.kernels.int8_isa()).
+extern "C" const char* tfnb_int8_isa() {
+  switch (Int8DotKind()) {
+#ifdef TFNB_X86
+    case kInt8Vnni512: return "vnni512";
+    case kInt8AvxVnni: return "avxvnni";
+    case kInt8Maddubs: return "avx2";
+#endif
+    default: return "portable";
+  }
 }
 
 // Every XLA kernel of the library, registered late if need be (xla_host.h): tfnb.kernels calls
