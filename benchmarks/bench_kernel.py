@@ -168,13 +168,12 @@ QUESTIONS = ["What is the capital of France?", "Write a haiku about rain.",
 
 
 def bench_smollm2_logits() -> list[dict]:
-    """SmolLM2's prompt logits with each route, the runtime's ``PACKED_ACTIVATIONS`` switched
-    (one local worker; a prompt is under ``DEQUANTIZE_ROWS`` rows, so it uses the kernel)."""
+    """SmolLM2's prompt logits with each route (``place(..., activations=)``; one local
+    worker; a prompt is under ``DEQUANTIZE_ROWS`` rows, so it uses the kernel)."""
     import warnings
 
     import tfnb
     from tfnb.cluster import LocalCluster
-    from tfnb.runtime import forward as L
 
     lc = LocalCluster(1)
     try:
@@ -187,11 +186,9 @@ def bench_smollm2_logits() -> list[dict]:
                    for q in QUESTIONS]
         logits = {}
         for route in ROUTES:
-            L.PACKED_ACTIVATIONS = route
-            placed = tfnb.place(model, [cluster.devices[0]], cluster)
+            placed = tfnb.place(model, [cluster.devices[0]], cluster, activations=route)
             logits[route] = [np.asarray(placed.logits([p])).reshape(len(p), -1) for p in prompts]
             del placed
-        L.PACKED_ACTIVATIONS = "float32"
     finally:
         lc.close()
     out = []

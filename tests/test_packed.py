@@ -798,6 +798,30 @@ def test_packed_decode_matches_float32_on_one_and_two_workers(tiny_gguf, cluster
     assert var_bytes == packed.nbytes + packed.weights["embed"].nbytes
 
 
+def test_int8_activations_are_a_placement_option(tiny_gguf, cluster):
+    """``place(..., activations="int8")`` multiplies the Q4_0, Q4_1 and Q8_0 matrices as
+    llama.cpp does: the logits move from the float route's by the activations' rounding (not
+    at all would mean the route was not taken), a request's tokens do not depend on its
+    batch, a replaced placement keeps the route, and a value that is no route is one
+    ``PlacementError``."""
+    packed = tfnb.load_model(tiny_gguf, progress=False)
+    ref = tfnb.place(packed, [cluster.devices[0]], cluster)
+    placed = tfnb.place(packed, cluster.devices[:2], cluster, activations="int8")
+    assert (ref.activations, placed.activations) == ("float32", "int8")
+    want = placed.logits(PROMPTS)
+    for got, floats in zip(want, ref.logits(PROMPTS)):
+        assert 0 < np.abs(got - floats).max() <= 0.02 * np.ptp(floats)
+    together = placed.generate_ids(PROMPTS, max_new_tokens=8)
+    assert together == [placed.generate_ids([p], max_new_tokens=8)[0] for p in PROMPTS]
+    moved = placed.replace([cluster.devices[0]])
+    assert moved.activations == "int8"
+    for got, w in zip(moved.logits(PROMPTS), want):
+        assert np.abs(got - w).max() <= 1e-5 * np.ptp(w)
+    with pytest.raises(PlacementError, match=r"activations='int4': expected one of "
+                                             r"\['float32', 'int8'\]"):
+        tfnb.place(packed, [cluster.devices[0]], cluster, activations="int4")
+
+
 def test_calibration_times_a_packed_blocks_matmuls(tmp_path):
     """Calibration feeds its loops rows that are not zeros: the packed kernel skips zero rows,
     and a block fed zeros passes zeros on, so such a loop would time a packed block's matmuls

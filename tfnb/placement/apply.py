@@ -7,6 +7,7 @@ must be placed again.
 from __future__ import annotations
 
 from tfnb.errors import PlacementError
+from tfnb.kernels import ACTIVATIONS
 from tfnb.names import short_device
 from tfnb.placement.plan import Plan
 
@@ -33,7 +34,7 @@ def _assignment(model, plan, cluster) -> dict:
 
 
 def place(model, plan=None, cluster=None, *, timeout: float | None = 60.0, previous=None,
-          files=None, progress=True):
+          files=None, progress=True, activations: str | None = None):
     """Put ``model``'s stages on the devices of ``plan`` and return the placed model.
 
     Parameters
@@ -60,6 +61,11 @@ def place(model, plan=None, cluster=None, *, timeout: float | None = 60.0, previ
         each worker did.
     progress : bool or callable
         A progress bar of the bytes sent to each worker (from 64 MB on).
+    activations : {"float32", "int8"}, optional
+        How packed Q4_0, Q4_1 and Q8_0 matrices multiply: ``"int8"`` computes as llama.cpp
+        does (activations rounded to int8 blocks, integer dot products; faster), ``"float32"``
+        keeps float32 activations (equal to the float32 path up to summation order). Default:
+        ``tfnb.runtime.placed.DEFAULT_ACTIVATIONS`` (docs/kernels.md).
 
     Examples
     --------
@@ -69,6 +75,9 @@ def place(model, plan=None, cluster=None, *, timeout: float | None = 60.0, previ
     """
     from tfnb.cluster import current
 
+    if activations is not None and activations not in ACTIVATIONS:
+        raise PlacementError(f"activations={activations!r}: expected one of {list(ACTIVATIONS)} "
+                             "(or None for the default)")
     cluster = cluster if cluster is not None else current(required=False)
     if plan is None:
         if cluster is None:
@@ -83,7 +92,7 @@ def place(model, plan=None, cluster=None, *, timeout: float | None = 60.0, previ
         check_files(files, cluster.workers if cluster is not None else None)
     assignment = _assignment(model, plan, cluster)
     if isinstance(plan, Plan) and plan.replicas:
-        return _place_replicas(model, plan, cluster, timeout, files, progress)
+        return _place_replicas(model, plan, cluster, timeout, files, progress, activations)
     if cluster is not None:
         unknown = sorted(set(assignment.values()) - set(cluster.devices))
         if unknown:
@@ -93,11 +102,12 @@ def place(model, plan=None, cluster=None, *, timeout: float | None = 60.0, previ
     if model.arch == "llama":
         from tfnb.runtime import place_llama
 
-        if previous is not None and hasattr(previous, "replace"):
+        if previous is not None and hasattr(previous, "replace") and \
+                activations in (None, getattr(previous, "activations", None)):
             placed = previous.replace(assignment)  # a lost previous placement reuses nothing
         else:
             placed = place_llama(model, assignment, timeout=timeout, files=files,
-                                 progress=progress)
+                                 progress=progress, activations=activations)
     elif model.arch == "keras":
         from tfnb.runtime.layers import place_layers
 
@@ -114,7 +124,7 @@ def place(model, plan=None, cluster=None, *, timeout: float | None = 60.0, previ
     return placed
 
 
-def _place_replicas(model, plan: Plan, cluster, timeout, files, progress):
+def _place_replicas(model, plan: Plan, cluster, timeout, files, progress, activations):
     """One full copy per replica (on one device, or a pipeline over a group of them); each is
     registered with the cluster on its own, so a lost worker takes only its own copy."""
     if model.arch != "llama":
@@ -130,7 +140,7 @@ def _place_replicas(model, plan: Plan, cluster, timeout, files, progress):
     replicas = []
     for assignment in plan.replica_assignments():
         replica = place_llama(model, assignment, timeout=timeout, files=files,
-                              progress=progress)
+                              progress=progress, activations=activations)
         if cluster is not None:
             devices = list(dict.fromkeys(assignment.values()))
             cluster.register(replica, f"{model.name} replica on "

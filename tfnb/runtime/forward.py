@@ -66,10 +66,12 @@ def _scoped(kind: str):
 
 class Packed(NamedTuple):
     """A packed matrix on a device: uint8 rows ``data`` (out, row bytes) of ggml type ``qtype``,
-    ``cols`` inputs each. As a kernel it maps ``cols`` inputs to ``rows`` outputs."""
+    ``cols`` inputs each. As a kernel it maps ``cols`` inputs to ``rows`` outputs; its
+    ``activations`` route (``kernels.packed_matmul``) is the placement's choice."""
     data: object  # tf.Variable or tensor, uint8
     qtype: int
     cols: int
+    activations: str = "float32"
 
 
 class Stacked(NamedTuple):
@@ -144,12 +146,6 @@ def fuse_block(weights: dict, i: int) -> dict[str, np.ndarray]:
 # weights again for every few rows (crossover measured on SmolLM2's matrices: docs/runtime.md).
 DEQUANTIZE_ROWS = 1024
 
-# The packed kernel's activations (read when a step is traced, so set it before placing):
-# "float32" keeps results equal to the float32 path up to summation order; "int8" rounds
-# activations to int8 blocks first (``kernels.packed_matmul``): outputs move by ~0.5%; faster
-# than the float route on AVX2 CPUs, no faster where the float route has its AVX-512 code.
-PACKED_ACTIVATIONS = "float32"
-
 # Rows nobody reads (a prompt's left padding, a lane's free rows) enter a packed model's
 # matmuls as zeros, which the packed kernel skips (``kernels.packed_matmul``); the rows that
 # are read compute exactly as before. Read when a step is traced.
@@ -171,7 +167,7 @@ def matmul(x_NxD, w_DxC):
         if x_NxD.shape[0] >= DEQUANTIZE_ROWS:
             w_CxD = _packed_dequantize(w_DxC.data, w_DxC.qtype, w_DxC.cols)
             return tf.matmul(x_NxD, w_CxD, transpose_b=True)
-        return _packed_matmul(x_NxD, w_DxC.data, w_DxC.qtype, w_DxC.cols, PACKED_ACTIVATIONS)
+        return _packed_matmul(x_NxD, w_DxC.data, w_DxC.qtype, w_DxC.cols, w_DxC.activations)
     return tf.matmul(x_NxD, w_DxC)
 
 

@@ -28,6 +28,7 @@ from collections import OrderedDict
 import numpy as np
 import tensorflow as tf
 
+from tfnb import kernels
 from tfnb.errors import GenerateError, GenerateStalled, PlacementError, WorkerLostError
 from tfnb.models.chain import segments, stage_names
 from tfnb.models.packed import PackedTensor
@@ -53,6 +54,7 @@ from tfnb.runtime.weights import (
     param_variables,
     segment_params,
     segment_weights,
+    with_activations,
 )
 from tfnb.shutdown import start_thread
 
@@ -60,9 +62,25 @@ __all__ = ["place_llama", "PlacedModel"]
 
 _MAX_PROGRAMS = 3  # cache sets (batch, length) kept alive at once
 
+# How packed Q4_0, Q4_1 and Q8_0 matrices multiply unless a placement says
+# (``tfnb.kernels.packed_matmul``; docs/kernels.md).
+DEFAULT_ACTIVATIONS = "float32"
+
+
+def check_activations(activations: str | None) -> str:
+    """``activations``, or the default for None; anything else is one ``PlacementError``."""
+    if activations is None:
+        return DEFAULT_ACTIVATIONS
+    if activations not in kernels.ACTIVATIONS:
+        raise PlacementError(f"activations={activations!r}: expected one of "
+                             f"{list(kernels.ACTIVATIONS)} (or None for the default, "
+                             f"{DEFAULT_ACTIVATIONS!r})")
+    return activations
+
 
 def place_llama(model, assignment, *, timeout: float | None = 60.0,
-                xla_loop: bool = True, files=None, progress=False) -> PlacedModel:
+                xla_loop: bool = True, files=None, progress=False,
+                activations: str | None = None) -> PlacedModel:
     """Put ``model``'s stages on devices and return a ``PlacedModel`` ready to generate.
 
     Parameters
@@ -93,6 +111,11 @@ def place_llama(model, assignment, *, timeout: float | None = 60.0,
         None for sending). ``placed.weight_sources`` says what each worker did.
     progress : bool or callable
         A progress bar of the bytes sent to each worker (shown from 64 MB).
+    activations : {"float32", "int8"}, optional
+        How packed Q4_0, Q4_1 and Q8_0 matrices multiply (``tfnb.kernels.packed_matmul``):
+        ``"int8"`` as llama.cpp does (activations rounded to int8 blocks, integer dot
+        products), ``"float32"`` with float32 activations. Default
+        :data:`DEFAULT_ACTIVATIONS`.
 
     Raises
     ------
@@ -116,7 +139,7 @@ def place_llama(model, assignment, *, timeout: float | None = 60.0,
     check_weights(config, weights)
     return PlacedModel(config, weights, getattr(model, "tokenizer", None), resolved,
                        timeout=timeout, name=getattr(model, "name", None), xla_loop=xla_loop,
-                       files=files, progress=progress)
+                       files=files, progress=progress, activations=activations)
 
 
 class PlacedModel:
@@ -156,7 +179,9 @@ class PlacedModel:
 
     def __init__(self, config, weights, tokenizer, assignment: dict[str, str], *,
                  timeout: float | None = 60.0, name: str | None = None, reuse=None,
-                 xla_loop: bool = True, plan=None, files=None, progress=False):
+                 xla_loop: bool = True, plan=None, files=None, progress=False,
+                 activations: str | None = None):
+        self.activations = check_activations(activations)
         self.config, self.tokenizer, self.timeout, self.name = config, tokenizer, timeout, name
         self.plan = plan
         self._weights = weights  # the client's copy (not duplicated), for replace()
@@ -207,6 +232,10 @@ class PlacedModel:
         thread per device keeps all the workers reading at once."""
         made: dict[int, dict] = {}
         errors: list[BaseException] = []
+        made_by = put
+
+        def put(device, value, name):  # each packed matrix multiplies on the chosen route
+            return with_activations(made_by(device, value, name), self.activations)
 
         def run(device):
             try:
@@ -242,7 +271,8 @@ class PlacedModel:
             for i, block in zip(seg.blocks, p["blocks"])}
         pm = PlacedModel(self.config, self._weights, self.tokenizer, resolved,
                          timeout=self.timeout, name=self.name, reuse=reuse,
-                         xla_loop=self.xla_loop, files=self._files, progress=self._progress)
+                         xla_loop=self.xla_loop, files=self._files, progress=self._progress,
+                         activations=self.activations)
         pm.compile_timeout = self.compile_timeout
         pm.moved_stages = [s for s in resolved
                            if self._lost or resolved[s] != self.assignment.get(s)]

@@ -28,7 +28,7 @@ from tfnb.runtime import forward as L
 from tfnb.runtime.graphs import client_cpu
 
 __all__ = ["variable_on", "segment_params", "segment_weights", "kv_caches", "check_weights",
-           "param_variables", "check_packed_ops"]
+           "param_variables", "check_packed_ops", "with_activations"]
 
 
 def variable_on(device: str, value, name: str):
@@ -87,6 +87,14 @@ def segment_params(config, weights, seg: Segment, *, head_device: str, shared: d
         if not tied:
             params["out_DxV"] = put(seg.device, weights["lm_head"], "lm_head")
     return params
+
+
+def with_activations(w, activations: str):
+    """``w`` (what :func:`variable_on` makes) with its packed matrices multiplying
+    ``activations`` (``"float32"`` or ``"int8"``: ``tfnb.kernels.packed_matmul``)."""
+    if isinstance(w, L.Stacked):
+        return L.Stacked(tuple(with_activations(p, activations) for p in w.parts))
+    return w._replace(activations=activations) if isinstance(w, L.Packed) else w
 
 
 def segment_weights(config, weights: dict, seg: Segment) -> list:
