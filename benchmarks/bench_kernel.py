@@ -163,6 +163,50 @@ def bench_model(qtype_name: str, repeat: int, rng) -> list[dict]:
     return out
 
 
+BIG = (14336, 4096, 8)  # Llama-3.1-8B's FFN matrices, 8 of them: far past any L3 cache
+
+
+def read_bandwidth() -> float:
+    """GB/s one core reads memory at (numpy summing 512 MB, best of 5)."""
+    a = np.ones(512 << 20, np.uint8).view(np.uint64)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        a.sum()
+        best = min(best, time.perf_counter() - t)
+    return a.nbytes / best / 1e9
+
+
+def bench_big(qtype_name: str, repeat: int, rng) -> dict:
+    """Weights larger than the cache, as a big model's decode streams them: one compiled
+    function multiplying ``BIG``'s matrices in turn, at 1 and 8 activation rows; GB/s of
+    weights against one core's read bandwidth."""
+    import tensorflow as tf
+
+    from tfnb import kernels
+
+    M, C, count = BIG
+    qtype = kernels.QTYPES[qtype_name]
+    ws = [tf.constant(random_rows(qtype_name, M, C, rng)) for _ in range(count)]
+    nbytes = sum(int(np.prod(w.shape)) for w in ws)
+    fns = {r: tf.function(lambda x, r=r: tf.add_n([tf.reduce_sum(
+        kernels.packed_matmul(x, w, qtype, C, r)) for w in ws]), jit_compile=True)
+        for r in ROUTES}
+    out = {"M": M, "C": C, "count": count, "bytes": nbytes, "read_gb_s": read_bandwidth(),
+           "rows": []}
+    for N in (1, 8):
+        x = tf.constant(rng.standard_normal((N, C)).astype(np.float32))
+        res = {"N": N, **interleaved({r: (lambda r=r, x=x: fns[r](x).numpy()) for r in ROUTES},
+                                     max(5, repeat // 8))}
+        for r in ROUTES:
+            res[r]["gb_s"] = nbytes / (res[r]["wall_ms"] / 1e3) / 1e9
+        out["rows"].append(res)
+        print(f"big N={N}: " + "  ".join(f"{r} {res[r]['wall_ms']:.1f} ms "
+                                         f"({res[r]['gb_s']:.1f} GB/s)" for r in ROUTES),
+              flush=True)
+    return out
+
+
 QUESTIONS = ["What is the capital of France?", "Write a haiku about rain.",
              "Explain what a CPU cache is.", "Name three primary colors.", "What is 12 times 7?"]
 
@@ -206,7 +250,7 @@ def bench_smollm2_logits() -> list[dict]:
 
 
 def markdown(qtype_name: str, shapes: list[dict], model: list[dict], cpu: int,
-             logits: list[dict] | None = None) -> str:
+             logits: list[dict] | None = None, big: dict | None = None) -> str:
     import tensorflow as tf
 
     lines = [f"# Packed matmul: float32 vs int8 activations ({qtype_name}, 1 core)", "",
@@ -222,8 +266,21 @@ def markdown(qtype_name: str, shapes: list[dict], model: list[dict], cpu: int,
         lines.append(f"| {r['N']} | {f['cpu_ms']:.1f} | {i['cpu_ms']:.1f} | "
                      f"{f['cpu_ms'] / i['cpu_ms']:.2f}x | {f['wall_ms']:.1f} | "
                      f"{i['wall_ms']:.1f} |")
-    lines += ["", "The int8 route has AVX2 code only; `--isa avx2` keeps the float32 route on "
-              "its AVX2 code too (written to kernel_avx2.md), to compare with AVX-512."]
+    from tfnb import kernels
+
+    lines += ["", f"Code: float32 route `{kernels.isa()}`, int8 route `{kernels.int8_isa()}` "
+              "(`--isa avx2` caps both at AVX2, written to kernel_avx2.md)."]
+    if big:
+        lines += ["", f"## Larger than the cache: {big['count']} matrices of "
+                  f"{big['M']}x{big['C']} ({big['bytes'] / 1e6:.0f} MB), one XLA function", "",
+                  f"One core reads memory at {big['read_gb_s']:.1f} GB/s (numpy, 512 MB).", "",
+                  "| N | float32 ms | GB/s | int8 ms | GB/s | speedup |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        for r in big["rows"]:
+            f, i = r["float32"], r["int8"]
+            lines.append(f"| {r['N']} | {f['wall_ms']:.1f} | {f['gb_s']:.1f} | "
+                         f"{i['wall_ms']:.1f} | {i['gb_s']:.1f} | "
+                         f"{f['wall_ms'] / i['wall_ms']:.2f}x |")
     if logits:
         lines += ["", "## Accuracy: SmolLM2-135M (Q4_1) prompt logits, int8 vs float32 route", "",
                   "| prompt | tokens | max err / ptp | rms err / std | argmax agree | next "
@@ -278,12 +335,13 @@ def main(argv=None) -> None:
     rng = np.random.default_rng(0)
     shapes = [] if args.skip_shapes else bench_shapes(args.qtype, args.repeat, rng)
     model = bench_model(args.qtype, args.repeat, rng)
+    big = bench_big(args.qtype, args.repeat, rng)
     logits = bench_smollm2_logits() if args.smollm2 else None
-    md = markdown(args.qtype, shapes, model, args.cpu, logits)
+    md = markdown(args.qtype, shapes, model, args.cpu, logits, big)
     name = "kernel" + ("" if args.qtype == "Q4_1" else f"_{args.qtype}") + (
         f"_{args.isa}" if args.isa else "")
     write_results(name, md, {"qtype": args.qtype, "shapes": shapes, "model": model,
-                             "smollm2_logits": logits}, args.out)
+                             "big": big, "smollm2_logits": logits}, args.out)
     print(md)
 
 

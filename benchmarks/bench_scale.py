@@ -10,6 +10,8 @@ them:
 
 - ``read``: the workers read their stages from the file (``tfnb.place``'s default);
 - ``sent``: the client sends every weight (``files=False``, as tfnb did before);
+- ``int8``: read as ``read``, multiplied on the int8 route (``activations="int8"``: llama.cpp's
+  rounding of the activations, integer dot products);
 
 it reports the seconds of ``load_model`` and ``place``, the anonymous memory (RssAnon) the
 client gained loading and placing, and each worker's, the first token's seconds (compiling
@@ -44,6 +46,9 @@ SHAPES = {  # blocks, hidden, heads, kv heads, ffn, vocab
     "llama-3.1-8b": (32, 4096, 32, 8, 14336, 128256),
 }
 FOLDER = os.path.expanduser("~/.cache/tfnb/scale")
+ROWS = ("read", "sent", "int8")
+LABELS = {"read": "read by the workers", "sent": "sent from the client",
+          "int8": "read by the workers, int8 activations"}
 
 
 def write_file(shape: str) -> str:
@@ -117,7 +122,7 @@ def rss_anon_mb(pid="self") -> float:
 
 
 def run_tfnb(path: str, files: str) -> dict:
-    """One placement in this process (``files``: "read" or "sent"); its figures."""
+    """One placement in this process (``files``: "read", "sent" or "int8"); its figures."""
     import warnings
 
     import tfnb
@@ -131,8 +136,9 @@ def run_tfnb(path: str, files: str) -> dict:
     load_s = time.perf_counter() - t
     loaded = rss_anon_mb()
     t = time.perf_counter()
-    placed = tfnb.place(model, cluster.devices[:2], cluster, files=None if files == "read"
-                        else False, progress=False)
+    placed = tfnb.place(model, cluster.devices[:2], cluster,
+                        files=False if files == "sent" else None, progress=False,
+                        activations="int8" if files == "int8" else "float32")
     place_s = time.perf_counter() - t
     placed_mb = rss_anon_mb()
     worker_mb = [rss_anon_mb(pid) - w for pid, w in zip(cluster.local.pids, workers)]
@@ -160,7 +166,7 @@ def run_tfnb(path: str, files: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="llama-3.2-3b", choices=sorted(SHAPES))
-    parser.add_argument("--one", choices=("read", "sent"), help=argparse.SUPPRESS)
+    parser.add_argument("--one", choices=ROWS, help=argparse.SUPPRESS)
     parser.add_argument("--no-llama-cpp", action="store_true")
     args = parser.parse_args()
     path = write_file(args.shape)
@@ -172,7 +178,7 @@ def main() -> None:
          "data = open(sys.argv[1], 'rb').read(); print(time.perf_counter() - t)", path],
         capture_output=True, text=True, check=True).stdout)
     rows = {}
-    for files in ("read", "sent"):
+    for files in ROWS:
         out = subprocess.run([sys.executable, __file__, "--shape", args.shape, "--one", files],
                              capture_output=True, text=True, check=True)
         rows[files] = json.loads(out.stdout.strip().splitlines()[-1])
@@ -223,20 +229,21 @@ def write_table(shape, path, read_once_s, rows, llama) -> None:
              "| first token s | decode tok/s, batch 1 |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for files, x in rows.items():
-        label = "read by the workers" if files == "read" else "sent from the client"
-        lines.append(f"| {label} | {x['load_s']:.2f} | {x['place_s']:.2f} | "
+        lines.append(f"| {LABELS[files]} | {x['load_s']:.2f} | {x['place_s']:.2f} | "
                      f"{x['client_load_mb']:.0f} + {x['client_place_mb']:.0f} | "
                      f"{' / '.join(f'{v:.0f}' for v in x['worker_mb'])} | "
                      f"{x['first_token_s']:.1f} | {x['decode_tok_s']:.2f} |")
     if llama is not None:
+        i8 = rows["int8"]["decode_tok_s"]
         lines += ["", "| llama.cpp on the same file | load + 1 token s | decode tok/s, batch 1 "
-                  "| tfnb's split (read) / it |", "|---|---:|---:|---:|",
+                  "| tfnb's split / it: float32, int8 activations |", "|---|---:|---:|---:|",
                   f"| one process, 2 threads (`llama-bench -p 0 -n 32 -t 2`) | "
                   f"{llama['load_s']:.1f} | {llama['tok_s']:.2f} | "
-                  f"{r['decode_tok_s'] / llama['tok_s']:.2f}x |",
+                  f"{r['decode_tok_s'] / llama['tok_s']:.2f}x, {i8 / llama['tok_s']:.2f}x |",
                   f"| RPC: 2 `ggml-rpc-server`s, one core each (`--rpc ... -ngl 99 -t 1`) | "
                   f"{llama['rpc_load_s']:.1f} | {llama['rpc_tok_s']:.2f} | "
-                  f"{r['decode_tok_s'] / llama['rpc_tok_s']:.2f}x |"]
+                  f"{r['decode_tok_s'] / llama['rpc_tok_s']:.2f}x, "
+                  f"{i8 / llama['rpc_tok_s']:.2f}x |"]
     write_results(f"scale-{shape}", "\n".join(lines) + "\n",
                   dict(shape=shape, file_mb=size, read_once_s=read_once_s, rows=rows,
                        llama_cpp=llama))
