@@ -63,8 +63,9 @@ def place(model, plan=None, cluster=None, *, timeout: float | None = 60.0, previ
         A progress bar of the bytes sent to each worker (from 64 MB on).
     activations : {"float32", "int8"}, optional
         How packed Q4_0, Q4_1 and Q8_0 matrices multiply: ``"int8"`` computes as llama.cpp
-        does (activations rounded to int8 blocks, integer dot products; faster), ``"float32"``
-        keeps float32 activations (equal to the float32 path up to summation order). Default:
+        does (activations rounded to int8 blocks, integer dot products; faster on matrices
+        larger than the cache, slower on small ones), ``"float32"`` keeps float32 activations
+        (equal to the float32 path up to summation order). Default:
         ``tfnb.runtime.placed.DEFAULT_ACTIVATIONS`` (docs/kernels.md).
 
     Examples
