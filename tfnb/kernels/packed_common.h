@@ -186,7 +186,6 @@ struct QuantizedRows {
   const float* S(int64_t r) const { return s.get() + r * nb; }
 };
 
-uint16_t FloatToHalf(float f);
 void QuantizeRows(const float* x, int64_t N, int64_t cols, QuantizedRows* out);
 void RowsQ8Portable(int qtype, const uint8_t* w, int64_t row_bytes, const QuantizedRows& xq,
                     float* y, int64_t M, int64_t m0, int64_t m1);

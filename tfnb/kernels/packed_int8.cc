@@ -24,6 +24,7 @@
 
 namespace tfnb {
 namespace packed {
+namespace {
 
 // float32 -> float16, rounded to nearest even (as F16C and llama.cpp's GGML_FP32_TO_FP16):
 // the float16 scaling trick of the FP16 library, exact for every input.
@@ -39,8 +40,6 @@ uint16_t FloatToHalf(float f) {
   const uint32_t nonsign = ((b >> 13) & 0x00007c00u) + (b & 0x00000fffu);
   return static_cast<uint16_t>((sign >> 16) | (shl1 > 0xff000000u ? 0x7e00u : nonsign));
 }
-
-namespace {
 
 // One block of 32: q, d (float16-rounded), sum q, s = float16(d * sum q). A block holding an
 // inf or NaN gets d = s = NaN (its row's outputs are NaN).

@@ -7,7 +7,6 @@ must be placed again.
 from __future__ import annotations
 
 from tfnb.errors import PlacementError
-from tfnb.kernels import ACTIVATIONS
 from tfnb.names import short_device
 from tfnb.placement.plan import Plan
 
@@ -76,9 +75,10 @@ def place(model, plan=None, cluster=None, *, timeout: float | None = 60.0, previ
     """
     from tfnb.cluster import current
 
-    if activations is not None and activations not in ACTIVATIONS:
-        raise PlacementError(f"activations={activations!r}: expected one of {list(ACTIVATIONS)} "
-                             "(or None for the default)")
+    if activations is not None:  # checked before planning, which may take a while
+        from tfnb.runtime.placed import check_activations  # imports TensorFlow
+
+        check_activations(activations)
     cluster = cluster if cluster is not None else current(required=False)
     if plan is None:
         if cluster is None:

@@ -175,6 +175,7 @@ class WeightLoader:
             header_len = min(p.offset for w in weights.values() for p in (_file_parts(w) or ()))
             self.header = np.asarray(first.buffer[:header_len])
         tasks = list(dict.fromkeys(_task(d) for d in devices))
+        check_files(files)
         self.paths = {t: self._asked_path(t, files) for t in tasks}  # task -> path or None
         self.sources: dict[str, str] = {}  # task -> the file it read (others were sent)
         self.sent = dict.fromkeys(tasks, 0)
@@ -185,7 +186,6 @@ class WeightLoader:
             return None
         if files is None:
             return self.path
-        check_files(files)
         for key, path in files.items():
             if worker_of(key) == short_device(task):
                 return None if path is None else os.path.abspath(os.fspath(path))

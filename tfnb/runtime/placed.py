@@ -232,10 +232,9 @@ class PlacedModel:
         thread per device keeps all the workers reading at once."""
         made: dict[int, dict] = {}
         errors: list[BaseException] = []
-        made_by = put
 
-        def put(device, value, name):  # each packed matrix multiplies on the chosen route
-            return with_activations(made_by(device, value, name), self.activations)
+        def routed(device, value, name):  # each packed matrix multiplies on the chosen route
+            return with_activations(put(device, value, name), self.activations)
 
         def run(device):
             try:
@@ -243,7 +242,7 @@ class PlacedModel:
                     if seg.device == device:
                         made[i] = segment_params(config, weights, seg, shared=shared,
                                                  head_device=self.assignment["head"],
-                                                 reuse=reuse, put=put)
+                                                 reuse=reuse, put=routed)
             except BaseException as e:  # noqa: BLE001 - raised in the calling thread
                 errors.append(e)
 
