@@ -77,6 +77,8 @@ def test_bad_specs_name_the_value(bad, words):
 def test_bad_files_and_tf_config(tmp_path, monkeypatch):
     with pytest.raises(SpecError, match="cannot be read"):
         parse_spec(str(tmp_path / "missing.json"))
+    with pytest.raises(SpecError, match="cannot be read: a path holds no NUL byte"):
+        parse_spec("/\x00")  # the fuzzer's find: the OS refuses it with a ValueError
     broken = tmp_path / "broken.json"
     broken.write_text('{"worker": ["a:1",')
     with pytest.raises(SpecError, match="not valid JSON"):

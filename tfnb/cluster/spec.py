@@ -160,6 +160,9 @@ def _from_file(path: Path) -> ClusterSpec:
         text = path.read_text()
     except OSError as e:
         raise SpecError(f"cluster file {str(path)!r} cannot be read: {e.strerror}") from None
+    except ValueError:  # the OS takes no path with a NUL byte in it
+        raise SpecError(f"cluster file {str(path)!r} cannot be read: a path holds no NUL "
+                        "byte") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
