@@ -195,15 +195,23 @@ def test_two_requests_on_a_split_model_keep_both_workers_busy_at_once(cluster):
     concurrently(lambda p: placed.generate_ids(p, max_new_tokens=40), prompts)  # compile
     with tfnb.profiler.profile(cluster, timeout=30) as alone:
         placed.generate_ids(prompts[0], max_new_tokens=40)
-    with tfnb.profiler.profile(cluster, timeout=30) as two:
-        concurrently(lambda p: placed.generate_ids(p, max_new_tokens=40), prompts)
-    assert not alone.partial and not two.partial, (alone.reasons, two.reasons)
-    (one_both, _), (two_both, two_min) = _overlap_ms(alone, w0, w1), _overlap_ms(two, w0, w1)
+    assert not alone.partial, alone.reasons
+    one_both, _ = _overlap_ms(alone, w0, w1)
     # both at once for a good part of the time (28% in one full-suite run on a 2-core Zen 5
-    # machine, 56.8 of 198.9 ms; more when the test runs alone), and far more than a lone
-    # request, whose stages take turns
-    assert two_both > 0.15 * two_min, (two_both, two_min)
-    assert two_both > 3 * one_both, (one_both, two_both)
+    # machine, 56.8 of 198.9 ms; 30-52% when the test runs alone), and far more than a lone
+    # request, whose stages take turns. The best of three profiles: on 2 cores another process
+    # can take one worker's core for a whole profile (9%, 14.5 of 160 ms, once in a full run)
+    seen = []
+    for _ in range(3):
+        with tfnb.profiler.profile(cluster, timeout=30) as two:
+            concurrently(lambda p: placed.generate_ids(p, max_new_tokens=40), prompts)
+        assert not two.partial, two.reasons
+        two_both, two_min = _overlap_ms(two, w0, w1)
+        seen.append((round(two_both, 1), round(two_min, 1)))
+        if two_both > 0.15 * two_min:
+            break
+    assert two_both > 0.15 * two_min, (seen, one_both)
+    assert two_both > 3 * one_both, (one_both, seen)
 
 
 LONG = "one two three four five six seven eight nine ten " * 2  # 100 tokens: bucket 128

@@ -38,6 +38,7 @@ CLIENT_JOB = "tfnb_client"
 _lock = threading.RLock()
 _current: Cluster | None = None
 _told: tuple[ClusterSpec, str] | None = None  # what TensorFlow was last told: spec, client address
+_generation = 0  # counts the clusters made current in turn (see generation())
 
 
 def current(required: bool = True) -> Cluster | None:
@@ -46,6 +47,17 @@ def current(required: bool = True) -> Cluster | None:
         raise NotConnectedError("not connected to a cluster; run tfnb.connect(...) or "
                                 "%tfcluster local 2")
     return _current
+
+
+def generation() -> int:
+    """A number that changes whenever another cluster becomes this process's (a connect, or a
+    reconnect of a cluster another replaced), and stays through reconnects of the current one.
+
+    Functions the client traced are registered on the workers of the cluster current then;
+    TensorFlow registers them again on a worker restarted behind the same cluster when it
+    reconnects, not on another cluster's workers, which may have the same device names
+    (``tfnb.runtime.graphs`` keeps its shared traces within one generation)."""
+    return _generation
 
 
 def is_loopback(host: str) -> bool:
@@ -351,11 +363,13 @@ def _tell_tensorflow(spec: ClusterSpec, client_address: str) -> None:
 
 
 def _make_current(cluster: Cluster) -> None:
-    global _current
+    global _current, _generation
     with _lock:
         if _current is not None and _current is not cluster:
             _current._lose(None, "another cluster was connected")
             _current.connected = False
+        if _current is not cluster:
+            _generation += 1
         _current = cluster
 
 

@@ -28,19 +28,23 @@ Examples
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
+from collections import Counter, OrderedDict
 from typing import NamedTuple
 
 import tensorflow as tf
 from tensorflow.compiler.tf2xla.python import xla
 from tensorflow.python.eager import context
 
+from tfnb.cluster.connect import generation
 from tfnb.models.chain import Segment, block_stage
 from tfnb.runtime import forward as L
 from tfnb.runtime import wire
 
 __all__ = ["HeadIn", "SegmentFns", "pack_ctl", "pack_prefill_ctl", "with_tokens", "unpack_ctl",
-           "segment_functions", "run_segments", "prefill_function", "decode_function",
+           "segment_functions", "segment_traces", "run_segments", "prefill_function", "decode_function",
            "unrolled_decode",
            "shift_function", "logits_function",
            "OnDevice", "Program", "client_cpu"]
@@ -116,15 +120,59 @@ def _embed(ids_BxT, params, cfg):
     return x_BxTxD if cfg.embed_scale == 1.0 else x_BxTxD * cfg.embed_scale
 
 
+# Segment functions shared by every placement of the same segment (device and stages) of the same
+# model: the weights and caches are arguments, so a copy placed anew on the same devices (a lost
+# copy healed, a replacement, another lane's or batch size's caches) reuses the traces and the
+# compiled programs of the copy before it. TF keys a trace by the variables' shapes and dtypes,
+# not by which variables they are, and keeps no reference to them (probe, TF 2.21): traced
+# functions are memory TensorFlow never gives back (about 350 MB per placement of SmolLM2 with
+# three batch shapes, traced anew), so retracing per copy grew a healing server by that much each
+# heal. A least-recently-used bound keeps calibrations of many models from piling up. The table
+# holds one cluster's traces: the workers of another cluster (the same device names, other
+# processes) do not have the functions they call (TF 2.21: "Failed to find function").
+_SHARED_LIMIT = 64
+_shared_generation = None  # tfnb.cluster.connect.generation() of the table's traces
+_shared: OrderedDict = OrderedDict()  # (seg, cfg, eos_ids, pad_id) -> SegmentFns over weights
+_shared_lock = threading.Lock()
+_traces: Counter = Counter()  # device -> segment graphs traced there (a Python side effect of
+                              # the traced functions runs at trace time only)
+
+
 def segment_functions(seg: Segment, params: dict, caches, cfg, eos_ids, pad_id) -> SegmentFns:
     """The XLA-compiled (prefill, decode) functions of one segment over its caches.
 
     ``params`` holds the segment's weights (``tfnb.runtime.weights.segment_params``), ``caches``
-    one ``(k, v)`` variable pair per block of the segment.
+    one ``(k, v)`` variable pair per block of the segment. The functions are bound to them;
+    the traces behind them are shared (see ``_shared``).
     """
-    eos_E = tf.constant(list(eos_ids) or [-1], tf.int32)
+    global _shared_generation
+    key = (seg, cfg, tuple(eos_ids), pad_id)
+    with _shared_lock:
+        if _shared_generation != generation():
+            _shared.clear()
+            _shared_generation = generation()
+        shared = _shared.get(key)
+        if shared is None:
+            shared = _shared[key] = _segment_functions(seg, cfg, tuple(eos_ids), pad_id)
+            while len(_shared) > _SHARED_LIMIT:
+                _shared.popitem(last=False)
+        _shared.move_to_end(key)
+    weights = (params, tuple(tuple(pair) for pair in caches))
+    return SegmentFns(functools.partial(shared.prefill, weights=weights),
+                      functools.partial(shared.decode, weights=weights))
 
-    def head(h_BxD, pos_B, mode, head_in: HeadIn):
+
+def segment_traces(device: str | None = None) -> int:
+    """How many times this process has traced a segment's graph (of segments on ``device``):
+    placing a model again where it ran, at shapes it ran, adds none."""
+    with _shared_lock:
+        return sum(n for dev, n in _traces.items() if device is None or dev == device)
+
+
+def _segment_functions(seg: Segment, cfg, eos_ids: tuple, pad_id) -> SegmentFns:
+    """:func:`segment_functions`' traced functions, taking ``weights=(params, caches)``."""
+
+    def head(h_BxD, pos_B, mode, head_in: HeadIn, params):
         done_B, floats_Bx2, ints_Bx2 = head_in
         if L.SKIP_UNREAD_ROWS and L.is_packed(params["out_DxV"]):
             # a done row's token is dropped: its zero row costs the packed matmul nothing
@@ -134,6 +182,7 @@ def segment_functions(seg: Segment, params: dict, caches, cfg, eos_ids, pad_id) 
         tok_B = L.next_token(logits_BxV, mode, floats_Bx2[:, 0], ints_Bx2[:, 0],
                              floats_Bx2[:, 1], seeds_Bx2)
         tok_B = tf.where(done_B, tf.constant(pad_id, tf.int32), tok_B)
+        eos_E = tf.constant(list(eos_ids) or [-1], tf.int32)
         done_B = done_B | tf.reduce_any(tok_B[:, None] == eos_E[None, :], axis=-1)
         return tok_B, done_B
 
@@ -141,14 +190,20 @@ def segment_functions(seg: Segment, params: dict, caches, cfg, eos_ids, pad_id) 
     # scopes in its ops' metadata, which is how a profile attributes compiled time to stages.
     # each block's static Layer (its sliding window and rotary base); the rotary tables are made
     # once per call for each distinct base among them
-    blocks = [(block_stage(i), p, ck, cv, L.layer_of(cfg, i))
-              for i, p, (ck, cv) in zip(seg.blocks, params["blocks"], caches)]
-    layers = [layer for *_, layer in blocks]
+    layers = [L.layer_of(cfg, i) for i in seg.blocks]
+
+    def blocks_of(weights):
+        with _shared_lock:
+            _traces[seg.device] += 1
+        params, caches = weights
+        return params, [(block_stage(i), p, ck, cv, layer) for i, p, (ck, cv), layer
+                        in zip(seg.blocks, params["blocks"], caches, layers)]
 
     def rope_of(ropes, layer):
         return ropes[(layer.theta, layer.scale)]
 
-    def prefill(x, ctl, mode, head_in, want_logits=False):
+    def prefill(x, ctl, mode, head_in, weights, want_logits=False):
+        params, blocks = blocks_of(weights)
         first_slot, pad_B, first_row = ctl[0], ctl[1:-1], ctl[-1]  # pack_prefill_ctl
         if seg.has_embed:
             with tf.name_scope("embed"):
@@ -165,9 +220,10 @@ def segment_functions(seg: Segment, params: dict, caches, cfg, eos_ids, pad_id) 
             if want_logits:
                 return L.logits(h_BxTxD, params["final_norm"], params["out_DxV"], cfg)
             T = h_BxTxD.shape[1]
-            return head(h_BxTxD[:, -1], T - pad_B, mode, HeadIn(*head_in))
+            return head(h_BxTxD[:, -1], T - pad_B, mode, HeadIn(*head_in), params)
 
-    def decode(x, ctl, mode, head_in, window=None):
+    def decode(x, ctl, mode, head_in, weights, window=None):
+        params, blocks = blocks_of(weights)
         slot, pad_B, tok_B = unpack_ctl(ctl, with_tokens=seg.has_embed)
         if seg.has_embed:
             with tf.name_scope("embed"):
@@ -181,7 +237,7 @@ def segment_functions(seg: Segment, params: dict, caches, cfg, eos_ids, pad_id) 
         if not seg.has_head:
             return h_Bx1xD
         with tf.name_scope("head"):
-            return head(h_Bx1xD[:, 0], slot + 1 - pad_B, mode, HeadIn(*head_in))
+            return head(h_Bx1xD[:, 0], slot + 1 - pad_B, mode, HeadIn(*head_in), params)
 
     return SegmentFns(tf.function(prefill, jit_compile=True, reduce_retracing=False),
                       tf.function(decode, jit_compile=True, reduce_retracing=False))
