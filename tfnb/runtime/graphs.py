@@ -44,9 +44,8 @@ from tfnb.runtime import forward as L
 from tfnb.runtime import wire
 
 __all__ = ["HeadIn", "SegmentFns", "pack_ctl", "pack_prefill_ctl", "with_tokens", "unpack_ctl",
-           "segment_functions", "segment_traces", "run_segments", "prefill_function", "decode_function",
-           "unrolled_decode",
-           "shift_function", "logits_function",
+           "segment_functions", "segment_traces", "run_segments", "prefill_function",
+           "decode_function", "unrolled_decode", "shift_function", "logits_function",
            "OnDevice", "Program", "client_cpu"]
 
 
