@@ -154,6 +154,36 @@ def test_a_different_or_missing_file_is_refused_before_anything_is_placed(mixed_
     assert len(placed.generate_ids(PROMPTS[0], max_new_tokens=4)) == 4
 
 
+def test_checking_a_file_fails_no_call_of_another_thread(mixed_gguf, cluster):
+    """The file check's length test fails on purpose on the worker. A placement on that worker
+    made meanwhile (a copy placed again while the others serve) must not see that error: a
+    request thread generates there while another thread checks the file again and again.
+    (With the check on the executor threads share, most of the other thread's calls failed
+    with "Readonly memory region has wrong length".)"""
+    import threading
+
+    model = tfnb.load_model(mixed_gguf, progress=False)
+    placed = tfnb.place(model, cluster.devices[:1], cluster)
+    want = placed.generate_ids(PROMPTS[0], max_new_tokens=4)
+    loader = fileload.WeightLoader(model.weights, cluster.devices[:1])
+    stop, checks = threading.Event(), [0]
+
+    def check():
+        while not stop.is_set():
+            loader.check(timeout=30)
+            checks[0] += 1
+
+    checker = threading.Thread(target=check, daemon=True)
+    checker.start()
+    try:
+        got = [placed.generate_ids(PROMPTS[0], max_new_tokens=4) for _ in range(12)]
+    finally:
+        stop.set()
+        checker.join(60)
+    assert checks[0] >= 3, checks  # the check ran beside the calls
+    assert got == [want] * 12
+
+
 def test_a_worker_without_the_file_is_sent_its_weights_with_progress(mixed_gguf, cluster,
                                                                      monkeypatch):
     monkeypatch.setattr(fileload, "SHOW_SENDS_FROM", 0)  # a bar even for a tiny model

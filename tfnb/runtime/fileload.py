@@ -32,6 +32,7 @@ import re
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.eager import context, executor
 
 from tfnb.errors import PlacementError
 from tfnb.kernels import QTYPES, row_bytes
@@ -231,7 +232,26 @@ class WeightLoader:
 
     def _probe(self, device: str, path: str) -> tuple[int, bytes]:
         """(the file's length, the fingerprint of its first ``len(header)`` bytes) on
-        ``device``; an OpError (NotFoundError ...) when it cannot map the file."""
+        ``device``; an OpError (NotFoundError ...) when it cannot map the file.
+
+        Its ops run on an executor of their own: the length check fails on purpose, and an op's
+        error on the executor every thread shares fails other threads' calls too. *Probe* (TF
+        2.21, one worker, 20 s of the failing check in one thread beside two threads running a
+        matmul there): 12,472 of the others' calls failed with its "Readonly memory region has
+        wrong length", none with an executor of its own. A heal checks the file while the
+        other copies serve: 1 request in 261 failed so before."""
+        own = executor.new_executor(enable_async=False, enable_streaming_enqueue=False)
+        try:
+            with context.executor_scope(own):
+                return self._probe_ops(device, path)
+        finally:
+            try:
+                own.wait()
+            except tf.errors.OpError:
+                pass
+            own.clear_error()
+
+    def _probe_ops(self, device: str, path: str) -> tuple[int, bytes]:
         from tfnb.runtime.graphs import client_cpu
 
         with tf.device(client_cpu()):  # every input made here (see _read)
