@@ -121,8 +121,9 @@ def _embed(ids_BxT, params, cfg):
 
 # Segment functions shared by every placement of the same segment (device and stages) of the same
 # model: the weights and caches are arguments, so a copy placed anew on the same devices (a lost
-# copy healed, a replacement, another lane's or batch size's caches) reuses the traces and the
-# compiled programs of the copy before it. TF keys a trace by the variables' shapes and dtypes,
+# copy healed, a replacement, another lane's or batch size's caches) reuses the traces of the
+# copy before it (and on a worker that stayed up, its compiled programs; a restarted worker
+# compiles them again). TF keys a trace by the variables' shapes and dtypes,
 # not by which variables they are, and keeps no reference to them (probe, TF 2.21): traced
 # functions are memory TensorFlow never gives back (about 350 MB per placement of SmolLM2 with
 # three batch shapes, traced anew), so retracing per copy grew a healing server by that much each
