@@ -235,11 +235,8 @@ class WeightLoader:
         ``device``; an OpError (NotFoundError ...) when it cannot map the file.
 
         Its ops run on an executor of their own: the length check fails on purpose, and an op's
-        error on the executor every thread shares fails other threads' calls too. *Probe* (TF
-        2.21, one worker, 20 s of the failing check in one thread beside two threads running a
-        matmul there): 12,472 of the others' calls failed with its "Readonly memory region has
-        wrong length", none with an executor of its own. A heal checks the file while the
-        other copies serve: 1 request in 261 failed so before."""
+        error on the executor the client's threads share fails their calls too (a heal checks
+        the file while other copies serve; docs/faults.md, "TensorFlow settings tfnb makes")."""
         own = executor.new_executor(enable_async=False, enable_streaming_enqueue=False)
         try:
             with context.executor_scope(own):

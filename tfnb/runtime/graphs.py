@@ -120,16 +120,12 @@ def _embed(ids_BxT, params, cfg):
 
 
 # Segment functions shared by every placement of the same segment (device and stages) of the same
-# model: the weights and caches are arguments, so a copy placed anew on the same devices (a lost
-# copy healed, a replacement, another lane's or batch size's caches) reuses the traces of the
-# copy before it (and on a worker that stayed up, its compiled programs; a restarted worker
-# compiles them again). TF keys a trace by the variables' shapes and dtypes,
-# not by which variables they are, and keeps no reference to them (probe, TF 2.21): traced
-# functions are memory TensorFlow never gives back (about 350 MB per placement of SmolLM2 with
-# three batch shapes, traced anew), so retracing per copy grew a healing server by that much each
-# heal. A least-recently-used bound keeps calibrations of many models from piling up. The table
-# holds one cluster's traces: the workers of another cluster (the same device names, other
-# processes) do not have the functions they call (TF 2.21: "Failed to find function").
+# model: the weights and caches are arguments, so a copy placed anew on the same devices (a healed
+# copy, a replacement, a lane's new caches) reuses the traces of the copy before it. TF keys a
+# trace by the variables' shapes and dtypes, not by which variables they are, and never gives a
+# trace's memory back (docs/runtime.md, "Compiled segments and chunks"). The table holds one
+# cluster connection's traces: another cluster's workers (the same device names) lack the
+# functions they call. The LRU bound keeps calibrations of many models from piling up.
 _SHARED_LIMIT = 64
 _shared_generation = None  # tfnb.cluster.connect.generation() of the table's traces
 _shared: OrderedDict = OrderedDict()  # (seg, cfg, eos_ids, pad_id) -> SegmentFns over weights
