@@ -44,9 +44,10 @@ from tfnb.runtime import forward as L
 from tfnb.runtime import wire
 
 __all__ = ["HeadIn", "SegmentFns", "pack_ctl", "pack_prefill_ctl", "with_tokens", "unpack_ctl",
-           "segment_functions", "segment_traces", "run_segments", "prefill_function",
-           "decode_function", "unrolled_decode", "shift_function", "logits_function",
-           "OnDevice", "Program", "client_cpu"]
+           "segment_functions", "shared_segment_functions", "weights_arg", "segment_traces",
+           "program_traces",
+           "run_segments", "prefill_function", "decode_function", "unrolled_decode",
+           "shift_function", "logits_function", "OnDevice", "Program", "client_cpu"]
 
 
 class _QuietRetracing(logging.Filter):
@@ -119,19 +120,50 @@ def _embed(ids_BxT, params, cfg):
     return x_BxTxD if cfg.embed_scale == 1.0 else x_BxTxD * cfg.embed_scale
 
 
-# Segment functions shared by every placement of the same segment (device and stages) of the same
-# model: the weights and caches are arguments, so a copy placed anew on the same devices (a healed
-# copy, a replacement, a lane's new caches) reuses the traces of the copy before it. TF keys a
-# trace by the variables' shapes and dtypes, not by which variables they are, and never gives a
-# trace's memory back (docs/runtime.md, "Compiled segments and chunks"). The table holds one
-# cluster connection's traces: another cluster's workers (the same device names) lack the
-# functions they call. The LRU bound keeps calibrations of many models from piling up.
-_SHARED_LIMIT = 64
+# Traced functions shared by every placement of the same segments (devices and stages) of the
+# same model: segment functions and the chunk graphs over them (:class:`Program`) take the
+# weights and caches as an argument, so a copy placed anew on the same devices (a healed copy,
+# a replacement, a lane's caches for another batch size) reuses the traces of the copy before it,
+# and its workers the programs XLA compiled for them. TF keys a trace by the variables' shapes
+# and dtypes, not by which variables they are, and never gives a trace's memory back
+# (docs/runtime.md, "Compiled segments and chunks"). The table holds one cluster connection's
+# traces: another cluster's workers (the same device names) lack the functions they call. The
+# LRU bound keeps calibrations of many models from piling up.
+_SHARED_LIMIT = 256
 _shared_generation = None  # tfnb.cluster.connect.generation() of the table's traces
-_shared: OrderedDict = OrderedDict()  # (seg, cfg, eos_ids, pad_id) -> SegmentFns over weights
+_shared: OrderedDict = OrderedDict()  # key -> SegmentFns (over weights) or OnDevice (of a Program)
 _shared_lock = threading.Lock()
 _traces: Counter = Counter()  # device -> segment graphs traced there (a Python side effect of
                               # the traced functions runs at trace time only)
+
+
+def _shared_entry(key, make):
+    """The table's entry for ``key``, made by ``make()`` (cheap: nothing is traced yet) if new."""
+    global _shared_generation
+    with _shared_lock:
+        if _shared_generation != generation():
+            _shared.clear()
+            _shared_generation = generation()
+        entry = _shared.get(key)
+        if entry is None:
+            entry = _shared[key] = make()
+            while len(_shared) > _SHARED_LIMIT:
+                _shared.popitem(last=False)
+        _shared.move_to_end(key)
+    return entry
+
+
+def shared_segment_functions(seg: Segment, cfg, eos_ids, pad_id) -> SegmentFns:
+    """The (prefill, decode) functions of one segment, taking ``weights=(params, caches)``:
+    one pair per (segment, config, eos, pad) in this process (see ``_shared``)."""
+    eos_ids = tuple(eos_ids)
+    return _shared_entry(("segment", seg, cfg, eos_ids, pad_id),
+                         lambda: _segment_functions(seg, cfg, eos_ids, pad_id))
+
+
+def weights_arg(params: dict, caches) -> tuple:
+    """The ``weights`` argument of a segment's functions: ``(params, ((k, v), ...))``."""
+    return params, tuple(tuple(pair) for pair in caches)
 
 
 def segment_functions(seg: Segment, params: dict, caches, cfg, eos_ids, pad_id) -> SegmentFns:
@@ -139,21 +171,10 @@ def segment_functions(seg: Segment, params: dict, caches, cfg, eos_ids, pad_id) 
 
     ``params`` holds the segment's weights (``tfnb.runtime.weights.segment_params``), ``caches``
     one ``(k, v)`` variable pair per block of the segment. The functions are bound to them;
-    the traces behind them are shared (see ``_shared``).
+    the traces behind them are shared (:func:`shared_segment_functions`).
     """
-    global _shared_generation
-    key = (seg, cfg, tuple(eos_ids), pad_id)
-    with _shared_lock:
-        if _shared_generation != generation():
-            _shared.clear()
-            _shared_generation = generation()
-        shared = _shared.get(key)
-        if shared is None:
-            shared = _shared[key] = _segment_functions(seg, cfg, tuple(eos_ids), pad_id)
-            while len(_shared) > _SHARED_LIMIT:
-                _shared.popitem(last=False)
-        _shared.move_to_end(key)
-    weights = (params, tuple(tuple(pair) for pair in caches))
+    shared = shared_segment_functions(seg, cfg, eos_ids, pad_id)
+    weights = weights_arg(params, caches)
     return SegmentFns(functools.partial(shared.prefill, weights=weights),
                       functools.partial(shared.decode, weights=weights))
 
@@ -163,6 +184,15 @@ def segment_traces(device: str | None = None) -> int:
     placing a model again where it ran, at shapes it ran, adds none."""
     with _shared_lock:
         return sum(n for dev, n in _traces.items() if device is None or dev == device)
+
+
+def program_traces(device: str | None = None) -> int:
+    """How many times this process has traced the chunk graphs (:class:`Program`'s) it holds,
+    of those run from ``device``: a copy placed again where one ran adds none."""
+    with _shared_lock:
+        graphs = [g for key, g in _shared.items() if key[0] == "program"]
+    return sum(g.experimental_get_tracing_count() for g in graphs
+               if device is None or g.device == device)
 
 
 def _segment_functions(seg: Segment, cfg, eos_ids: tuple, pad_id) -> SegmentFns:
@@ -239,16 +269,17 @@ def _segment_functions(seg: Segment, cfg, eos_ids: tuple, pad_id) -> SegmentFns:
                       tf.function(decode, jit_compile=True, reduce_retracing=False))
 
 
-def run_segments(segs, fns, which: str, x, ctl, head_in: HeadIn, mode: str,
+def run_segments(segs, fns, which: str, x, ctl, head_in: HeadIn, mode: str, weights,
                  want_logits: bool = False, window: int | None = None):
     """Every segment in order, each under its device: ``which`` is "prefill" or "decode".
 
-    ``x`` is the prompt ids (B, P) for prefill and the last tokens (B,) for decode, ``ctl``
-    :func:`pack_prefill_ctl`'s or :func:`pack_ctl`'s encoding (made once, on the caller's
-    device; each segment receives it); returns the head's ``(next_token_B, done_B)`` (or the
-    logits with ``want_logits``).
+    ``fns`` are :func:`shared_segment_functions`, ``weights`` one :func:`weights_arg` per
+    segment. ``x`` is the prompt ids (B, P) for prefill and the last tokens (B,) for decode,
+    ``ctl`` :func:`pack_prefill_ctl`'s or :func:`pack_ctl`'s encoding (made once, on the
+    caller's device; each segment receives it); returns the head's ``(next_token_B, done_B)``
+    (or the logits with ``want_logits``).
     """
-    for seg, seg_fns in zip(segs, fns):
+    for seg, seg_fns, seg_weights in zip(segs, fns, weights):
         # only the head depends on the sampling mode: the others compile once for all
         seg_head_in, seg_mode = (tuple(head_in), mode) if seg.has_head else (None, None)
         seg_x, seg_ctl = x, ctl
@@ -256,10 +287,10 @@ def run_segments(segs, fns, which: str, x, ctl, head_in: HeadIn, mode: str,
             seg_x, seg_ctl = None, with_tokens(ctl, x)
         with tf.device(seg.device):
             if which == "prefill":
-                x = seg_fns.prefill(seg_x, seg_ctl, seg_mode, seg_head_in,
+                x = seg_fns.prefill(seg_x, seg_ctl, seg_mode, seg_head_in, weights=seg_weights,
                                     **({"want_logits": True} if want_logits else {}))
             else:
-                x = seg_fns.decode(seg_x, seg_ctl, seg_mode, seg_head_in,
+                x = seg_fns.decode(seg_x, seg_ctl, seg_mode, seg_head_in, weights=seg_weights,
                                    **({"window": window} if window else {}))
     return x
 
@@ -267,19 +298,21 @@ def run_segments(segs, fns, which: str, x, ctl, head_in: HeadIn, mode: str,
 def prefill_function(segs, fns, mode: str) -> OnDevice:
     """``f(ids_BxP, pad_B, first_slot, first_row, done_B, floats_Bx2, ints_Bx2)``: the prompts'
     keys into cache rows ``[first_row, first_row + B)`` at slots ``[first_slot, first_slot +
-    P)``; returns the first new token per row and ``done_B``."""
+    P)``; returns the first new token per row and ``done_B``. Like every graph here it takes
+    the segments' weights as a last argument (:meth:`OnDevice.bind`)."""
     @tf.function
-    def run(ids_BxP, pad_B, first_slot, first_row, done_B, floats_Bx2, ints_Bx2):
+    def run(ids_BxP, pad_B, first_slot, first_row, done_B, floats_Bx2, ints_Bx2, weights):
         return run_segments(segs, fns, "prefill", ids_BxP,
                             pack_prefill_ctl(first_slot, first_row, pad_B),
-                            HeadIn(done_B, floats_Bx2, ints_Bx2), mode)
+                            HeadIn(done_B, floats_Bx2, ints_Bx2), mode, weights)
     return OnDevice(run, segs[-1].device)
 
 
-def _decode_step(segs, fns, mode, window, tok_B, slot, pad_B, done_B, floats_Bx2, ints_Bx2):
+def _decode_step(segs, fns, mode, window, tok_B, slot, pad_B, done_B, floats_Bx2, ints_Bx2,
+                 weights):
     """One decode step through every segment: the next tokens and ``done_B``."""
     return run_segments(segs, fns, "decode", tok_B, pack_ctl(slot, pad_B),
-                        HeadIn(done_B, floats_Bx2, ints_Bx2), mode, window=window)
+                        HeadIn(done_B, floats_Bx2, ints_Bx2), mode, weights, window=window)
 
 
 def decode_function(segs, fns, mode: str, S: int, window: int | None,
@@ -299,7 +332,7 @@ def decode_function(segs, fns, mode: str, S: int, window: int | None,
     # is not involved until the chunk ends.
     loop_device = segs[-1].device
 
-    def decode_loop(tok_B, pad_B, slot, done_B, n_steps, floats_Bx2, ints_Bx2):
+    def decode_loop(tok_B, pad_B, slot, done_B, n_steps, floats_Bx2, ints_Bx2, weights):
       with tf.device(loop_device):
         pad_B, n_steps, done_B, slot, tok_B = (tf.identity(t) for t in
                                                (pad_B, n_steps, done_B, slot, tok_B))
@@ -315,7 +348,7 @@ def decode_function(segs, fns, mode: str, S: int, window: int | None,
         def body(i, slot, tok_B, done_B, tokens):
             with tf.device(loop_device):
                 tok_B, done_B = _decode_step(segs, fns, mode, window, tok_B, slot, pad_B,
-                                             done_B, floats_Bx2, ints_Bx2)
+                                             done_B, floats_Bx2, ints_Bx2, weights)
                 tokens = (xla.dynamic_update_slice(tokens, tok_B[None], tf.stack([i, 0]))
                           if fused else tokens.write(i, tok_B))
                 return i + 1, slot + 1, tok_B, done_B, tokens
@@ -351,12 +384,12 @@ def unrolled_decode(segs, fns, mode: str, window: int | None, steps: int) -> OnD
     """
     loop_device = segs[-1].device
 
-    def run(tok_B, pad_B, slot, done_B, n_steps, floats_Bx2, ints_Bx2):
+    def run(tok_B, pad_B, slot, done_B, n_steps, floats_Bx2, ints_Bx2, weights):
         with tf.device(loop_device):
             tokens, at = [], slot
             for _ in range(steps):
                 tok_B, done_B = _decode_step(segs, fns, mode, window, tok_B, at, pad_B,
-                                             done_B, floats_Bx2, ints_Bx2)
+                                             done_B, floats_Bx2, ints_Bx2, weights)
                 tokens.append(tok_B)
                 at = at + 1
             return tf.stack(tokens), tf.constant(steps), at, tok_B, done_B
@@ -364,12 +397,12 @@ def unrolled_decode(segs, fns, mode: str, window: int | None, steps: int) -> OnD
     return OnDevice(tf.function(run), loop_device)
 
 
-def shift_function(segs, caches) -> OnDevice:
+def shift_function(segs) -> OnDevice:
     """``f(delta)``: every cache's slots rolled by ``delta`` (int32; negative moves them to
     the front). Slots that wrap around end up outside every row's attended range."""
     @tf.function
-    def run(delta):
-        for seg, seg_caches in zip(segs, caches):
+    def run(delta, weights):
+        for seg, (_, seg_caches) in zip(segs, weights):
             with tf.device(seg.device):
                 for ck, cv in seg_caches:
                     ck.assign(tf.roll(ck, delta, axis=2))
@@ -381,9 +414,9 @@ def shift_function(segs, caches) -> OnDevice:
 def logits_function(segs, fns) -> OnDevice:
     """``f(ids_BxP, pad_B)``: the logits (B, P, V) of every position, by prefill."""
     @tf.function
-    def run(ids_BxP, pad_B):
+    def run(ids_BxP, pad_B, weights):
         return run_segments(segs, fns, "prefill", ids_BxP, pack_prefill_ctl(0, 0, pad_B),
-                            HeadIn.greedy(pad_B.shape[0]), "greedy", want_logits=True)
+                            HeadIn.greedy(pad_B.shape[0]), "greedy", weights, want_logits=True)
     return OnDevice(run, segs[-1].device)
 
 
@@ -405,11 +438,22 @@ class OnDevice:
     value under a remote device scope blocks in C++ while holding the GIL until the worker
     answers (TF 2.21: with the worker stopped the whole process freezes, while the same call
     with client-side tensors waits with the GIL free, so deadlines can fire).
+
+    A graph that takes its weights as a last argument is called through :meth:`bind`, which
+    supplies them: its traces are shared by every binding.
     """
 
     def __init__(self, fn, device: str):
         self.fn, self.device = fn, device
         self._packed: dict = {}  # argument signature -> wire.Packed
+        self.weights = None      # what bind() supplies as the last argument
+        self._flat: dict = {}    # Packed -> self.weights as its graph's inputs
+
+    def bind(self, weights) -> OnDevice:
+        """This function with ``weights`` as its last argument; it shares the traces."""
+        bound = OnDevice(self.fn, self.device)
+        bound._packed, bound.weights = self._packed, weights
+        return bound
 
     def _wired(self, args):
         """The packed call for ``args`` and their bytes as a client tensor, or None."""
@@ -418,7 +462,8 @@ class OnDevice:
             return None
         call = self._packed.get(sig)
         if call is None:
-            call = self._packed.setdefault(sig, wire.Packed(self.fn, sig))
+            call = self._packed.setdefault(sig, wire.Packed(self.fn, sig,
+                                                            weighted=self.weights is not None))
         with tf.device(client_cpu()):
             return call, tf.constant(wire.pack(args))
 
@@ -427,51 +472,74 @@ class OnDevice:
         if wired is not None:
             call, blob = wired
             with tf.device(self.device):
-                out = call.run(blob)
+                if self.weights is None:
+                    out = call.run(blob)
+                else:
+                    flat = self._flat.get(call)
+                    if flat is None:
+                        flat = self._flat[call] = call.weight_inputs(blob, self.weights)
+                    out = call.run(blob, flat)
             return call.unpack(out.numpy())
         with tf.device(client_cpu()):
             args = [a if isinstance(a, tf.Tensor) or a is None else tf.constant(a) for a in args]
         with tf.device(self.device):
-            return self.fn(*args)
+            return self.fn(*args, *(() if self.weights is None else (self.weights,)))
 
     def trace(self, *args) -> None:
         """Trace the graph a call with ``args`` runs (which sends it to the workers), without
         running it."""
         wired = self._wired(args)
+        weights = () if self.weights is None else (self.weights,)
         with tf.device(self.device):
             if wired is None:
-                self.fn.get_concrete_function(*args)
+                self.fn.get_concrete_function(*args, *weights)
             else:
-                wired[0].concrete(wired[1])
+                wired[0].concrete(wired[1], *weights)
 
     def experimental_get_tracing_count(self) -> int:
-        """Traces so far, of the packed calls and of calls as they are."""
+        """Traces so far, of the packed calls and of calls as they are (of every binding)."""
         return self.fn.experimental_get_tracing_count() + sum(
             call.fn.experimental_get_tracing_count() for call in list(self._packed.values()))
+
+
+def _weights_spec(weights) -> tuple:
+    """What a trace over ``weights`` depends on: each variable's dtype and shape, and the
+    plain values (packed types, column counts, absent biases) among them."""
+    return tuple((v.dtype.name, tuple(v.shape)) if isinstance(v, tf.Variable) else v
+                 for v in tf.nest.flatten(weights))
 
 
 class Program:
     """The compiled functions bound to one set of KV caches of shape (B, K, S, E).
 
-    ``caches`` has, per segment, one ``(k, v)`` variable pair per block; the graphs are built
-    on first use per sampling mode (and attention window); each traces once per batch shape.
+    ``fns`` are the segments' :func:`shared_segment_functions`, ``params`` their weights and
+    ``caches`` per segment one ``(k, v)`` variable pair per block. The graphs are made on first
+    use per sampling mode (and attention window), each tracing once per batch shape; their
+    traces are shared with every Program over the same segments and shapes (``_shared``), so
+    a copy placed again, or a lane back at a size it had, traces and compiles nothing anew.
     """
 
-    def __init__(self, segs, fns, caches, max_len: int, fused: bool):
+    def __init__(self, segs, fns, params, caches, max_len: int, fused: bool):
         self.segments, self.fns, self.caches = list(segs), list(fns), caches
         self.max_len, self.fused = max_len, fused
         self.rows = caches[0][0][0].shape[0] if caches and caches[0] else None
-        self.graphs: dict = {}  # (kind, mode, window) -> OnDevice
+        self.weights = tuple(weights_arg(p, c) for p, c in zip(params, caches))
+        # the shared segment functions (alive in the table while a graph over them is) and the
+        # shapes: what the graphs close over or are traced for
+        self._spec = (tuple(map(id, self.fns)), _weights_spec(self.weights), max_len, fused)
+        self.graphs: dict = {}  # (kind, mode, window) -> OnDevice bound to self.weights
 
     def _graph(self, key, make):
-        if key not in self.graphs:
-            self.graphs[key] = make()
-        return self.graphs[key]
+        graph = self.graphs.get(key)
+        if graph is None:
+            graph = self.graphs[key] = _shared_entry(("program", key, self._spec),
+                                                     make).bind(self.weights)
+        return graph
 
     def prefill_fn(self, mode: str) -> OnDevice:
         """:func:`prefill_function` over these caches, sampling in ``mode``."""
-        return self._graph(("prefill", mode), lambda: prefill_function(self.segments, self.fns,
-                                                                       mode))
+        segs, fns = self.segments, self.fns
+        return self._graph(("prefill", mode), lambda: prefill_function(segs, fns, mode))
 
     @property
     def unrolled(self) -> bool:
@@ -484,15 +552,18 @@ class Program:
         """:func:`decode_function` over these caches (``"greedy"``, ``"sample"`` or
         ``"filter"``), attention reading the first ``window`` slots (None: all); when
         :attr:`unrolled`, exactly ``steps`` steps per call."""
+        segs, fns, S, fused = self.segments, self.fns, self.max_len, self.fused
         if self.unrolled:
             return self._graph(("decode", mode, window, steps), lambda: unrolled_decode(
-                self.segments, self.fns, mode, window, steps))
+                segs, fns, mode, window, steps))
         return self._graph(("decode", mode, window, None), lambda: decode_function(
-            self.segments, self.fns, mode, self.max_len, window, self.fused))
+            segs, fns, mode, S, window, fused))
 
     def shift_fn(self) -> OnDevice:
         """:func:`shift_function` over these caches."""
-        return self._graph(("shift",), lambda: shift_function(self.segments, self.caches))
+        segs = self.segments
+        return self._graph(("shift",), lambda: shift_function(segs))
 
     def logits_fn(self, P: int) -> OnDevice:
-        return self._graph(("logits",), lambda: logits_function(self.segments, self.fns))
+        segs, fns = self.segments, self.fns
+        return self._graph(("logits",), lambda: logits_function(segs, fns))

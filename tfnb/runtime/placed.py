@@ -35,7 +35,7 @@ from tfnb.models.packed import PackedTensor
 from tfnb.runtime.devices import resolve_assignment
 from tfnb.runtime.faults import call_with_deadline
 from tfnb.runtime.fileload import WeightLoader
-from tfnb.runtime.graphs import Program, segment_functions
+from tfnb.runtime.graphs import Program, shared_segment_functions
 from tfnb.runtime.requests import (
     GenerateOptions,
     GenerateRequest,
@@ -336,9 +336,9 @@ class PlacedModel:
             if e.confirmed:
                 self._lost = f"this placed model lost a worker earlier ({e}); place it again"
             raise
-        fns = [segment_functions(seg, params, seg_caches, cfg, self.eos_ids, self.pad_id)
-               for seg, params, seg_caches in zip(self.segments, self.params, caches)]
-        program = Program(self.segments, fns, caches, S, self.xla_loop)
+        fns = [shared_segment_functions(seg, cfg, self.eos_ids, self.pad_id)
+               for seg in self.segments]
+        program = Program(self.segments, fns, self.params, caches, S, self.xla_loop)
         self._programs[key] = program
         return program
 

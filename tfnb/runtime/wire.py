@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.eager.polymorphic_function import function_type_utils
 
 __all__ = ["signature", "pack", "Packed"]
 
@@ -87,24 +88,28 @@ class Packed:
     ``fn``'s own between the unpacking and the packing, with the node names it always had (what
     the profiler reads), not a call of ``fn`` nested in another function.
 
+    ``weighted``: ``fn`` takes a last argument of variables (a model's weights and caches),
+    passed to :meth:`run` as :meth:`weight_inputs`; its graph may capture no variable, so that
+    it serves every set of variables of the same shapes.
+
     Attributes
     ----------
     fn : tf.function
         ``fn(bytes_uint8) -> bytes_uint8``, named after the function it wraps.
     """
 
-    def __init__(self, fn, sig: tuple):
-        self.sig = sig
+    def __init__(self, fn, sig: tuple, weighted: bool = False):
+        self.sig, self.weighted = sig, weighted
         self._out: tuple | None = None  # (structure, dtypes, ranks), known once traced
         body = getattr(fn, "python_function", fn)
 
-        def call(blob):
+        def call(blob, *weights):
             args, at = [], 0
             for dtype, shape in sig:
                 n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
                 args.append(_from_bytes(blob[at:at + n], dtype, shape))
                 at += n
-            out = body(*args)
+            out = body(*args, *weights)
             flat = [tf.convert_to_tensor(t) for t in tf.nest.flatten(out)]
             self._out = (tf.nest.map_structure(_leaf, out),
                          [t.dtype.as_numpy_dtype for t in flat], [t.shape.rank for t in flat])
@@ -116,20 +121,39 @@ class Packed:
         self.fn = tf.function(call)
         self._concrete = None
 
-    def concrete(self, blob: tf.Tensor):
-        """The one graph of ``self.fn`` for ``blob``'s signature, traced on the first request."""
+    def concrete(self, blob: tf.Tensor, *weights):
+        """The one graph of ``self.fn`` for ``blob``'s signature (and the variables' shapes),
+        traced on the first request."""
         if self._concrete is None:
-            self._concrete = self.fn.get_concrete_function(blob)
+            concrete = self.fn.get_concrete_function(blob, *weights)
+            if self.weighted and any(t.dtype == tf.resource for t in concrete.captured_inputs):
+                raise RuntimeError(f"{self.fn.__name__} captures a variable: a graph shared by "
+                                   "several placements must take them all as its argument")
+            self._concrete = concrete
         return self._concrete
 
-    def run(self, blob: tf.Tensor) -> tf.Tensor:
-        """``self.fn(blob)``: the first call traces the graph, later calls run it directly.
+    def weight_inputs(self, blob: tf.Tensor, weights) -> list:
+        """``weights`` as the graph's inputs after ``blob`` (each variable's handle), for
+        :meth:`run`; traces the graph if it was not."""
+        concrete = self.concrete(blob, weights)
+        bound = function_type_utils.canonicalize_function_inputs(
+            (blob, weights), {}, concrete.function_type)
+        return concrete.function_type.unpack_inputs(bound)[1:]
+
+    def run(self, blob: tf.Tensor, weight_inputs=None) -> tf.Tensor:
+        """``self.fn(blob)`` (or with the variables of :meth:`weight_inputs`): the first call
+        traces the graph, later calls run it directly.
 
         A ``tf.function`` call looks its graph up by the types of its arguments and of every
         variable it captures, hashing each of them on every call; a placed model's function
-        captures a few hundred (weights and caches). The signature here never changes, so
-        there is one graph to run (what the lookup cost: docs/runtime.md)."""
-        return self.concrete(blob)(blob)
+        takes a few hundred (weights and caches). The signature here never changes, so there
+        is one graph to run (what the lookup cost: docs/runtime.md), and the variables'
+        handles, flattened once per set, go straight in: binding them from their nested
+        structure on each call cost 2 us per variable (TF 2.21, probe of 300 variables)."""
+        if weight_inputs is None:
+            return self.concrete(blob)(blob)
+        concrete = self._concrete
+        return concrete._call_flat([blob, *weight_inputs], concrete.captured_inputs)
 
     def unpack(self, buf: np.ndarray):
         """The results, as numpy arrays (numpy scalars for 0-d ones) nested as ``fn``
