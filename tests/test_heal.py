@@ -149,7 +149,8 @@ def test_a_restored_copy_reuses_what_its_lost_copy_traced(own_workers, replicate
     """A heal places the copy afresh (new variables on the restarted worker) but traces none of
     its segments or chunk graphs again: the graphs traced for the lost copy serve the new one,
     so the serving process does not grow by a placement's traces at every heal (350 MB per
-    placement of SmolLM2 over three batch sizes, when each copy traced its own)."""
+    placement of SmolLM2 over three batch sizes, when each copy traced its own). The copy on
+    the other worker runs the same graphs too."""
     from tfnb.runtime.graphs import program_traces, segment_traces
 
     cluster, placed = replicated  # warmed: both copies traced the warm-up's shapes
@@ -157,8 +158,10 @@ def test_a_restored_copy_reuses_what_its_lost_copy_traced(own_workers, replicate
     prompts = [["hello"], ["the cat sat", "a b c"]]
     assert placed.replicas[1].devices == [d1]
     expected = [placed.replicas[1].generate_ids(p, max_new_tokens=8) for p in prompts]
-    traced, chunks = segment_traces(d1), program_traces(d1)
+    traced, chunks = segment_traces(), program_traces()
     assert traced > 0 and chunks > 0
+    assert [placed.replicas[0].generate_ids(p, max_new_tokens=8) for p in prompts] == expected
+    assert (segment_traces(), program_traces()) == (traced, chunks)
     own_workers.kill(1)
     own_workers.restart(1)  # the healer sees a new incarnation of task 1 and places its copy anew
     assert _until(lambda: placed.serving_status()["replicas"][1]["restored_at"], HEAL_BOUND_S)
@@ -168,7 +171,7 @@ def test_a_restored_copy_reuses_what_its_lost_copy_traced(own_workers, replicate
     # the restored copy answers as before, without tracing what the lost copy had traced
     for p, want in zip(prompts, expected):
         assert restored.generate_ids(p, max_new_tokens=8) == want
-    assert (segment_traces(d1), program_traces(d1)) == (traced, chunks)
+    assert (segment_traces(), program_traces()) == (traced, chunks)
 
 
 def test_without_healing_a_lost_copy_stays_lost(own_workers, replicated):

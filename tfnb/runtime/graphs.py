@@ -28,6 +28,8 @@ Examples
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import logging
 import threading
@@ -133,8 +135,8 @@ _SHARED_LIMIT = 256
 _shared_generation = None  # tfnb.cluster.connect.generation() of the table's traces
 _shared: OrderedDict = OrderedDict()  # key -> SegmentFns (over weights) or OnDevice (of a Program)
 _shared_lock = threading.Lock()
-_traces: Counter = Counter()  # device -> segment graphs traced there (a Python side effect of
-                              # the traced functions runs at trace time only)
+_traces: Counter = Counter()  # segment graphs traced (a Python side effect of the traced
+                              # functions runs at trace time only)
 
 
 def _shared_entry(key, make):
@@ -155,8 +157,9 @@ def _shared_entry(key, make):
 
 def shared_segment_functions(seg: Segment, cfg, eos_ids, pad_id) -> SegmentFns:
     """The (prefill, decode) functions of one segment, taking ``weights=(params, caches)``:
-    one pair per (segment, config, eos, pad) in this process (see ``_shared``)."""
-    eos_ids = tuple(eos_ids)
+    one pair per (stages, config, eos, pad) in this process (see ``_shared``). Their graphs
+    name no device: they run on the device they are called under."""
+    eos_ids, seg = tuple(eos_ids), dataclasses.replace(seg, device="")
     return _shared_entry(("segment", seg, cfg, eos_ids, pad_id),
                          lambda: _segment_functions(seg, cfg, eos_ids, pad_id))
 
@@ -179,20 +182,19 @@ def segment_functions(seg: Segment, params: dict, caches, cfg, eos_ids, pad_id) 
                       functools.partial(shared.decode, weights=weights))
 
 
-def segment_traces(device: str | None = None) -> int:
-    """How many times this process has traced a segment's graph (of segments on ``device``):
-    placing a model again where it ran, at shapes it ran, adds none."""
+def segment_traces() -> int:
+    """How many times this process has traced a segment's graph: placing a model again, on
+    any worker, at shapes it ran, adds none."""
     with _shared_lock:
-        return sum(n for dev, n in _traces.items() if device is None or dev == device)
+        return _traces["segment"]
 
 
-def program_traces(device: str | None = None) -> int:
-    """How many times this process has traced the chunk graphs (:class:`Program`'s) it holds,
-    of those run from ``device``: a copy placed again where one ran adds none."""
+def program_traces() -> int:
+    """How many times this process has traced the chunk graphs (:class:`Program`'s) it holds:
+    a copy placed again, on its worker or on another one's, adds none."""
     with _shared_lock:
         graphs = [g for key, g in _shared.items() if key[0] == "program"]
-    return sum(g.experimental_get_tracing_count() for g in graphs
-               if device is None or g.device == device)
+    return sum(g.experimental_get_tracing_count() for g in graphs)
 
 
 def _segment_functions(seg: Segment, cfg, eos_ids: tuple, pad_id) -> SegmentFns:
@@ -220,7 +222,7 @@ def _segment_functions(seg: Segment, cfg, eos_ids: tuple, pad_id) -> SegmentFns:
 
     def blocks_of(weights):
         with _shared_lock:
-            _traces[seg.device] += 1
+            _traces["segment"] += 1
         params, caches = weights
         return params, [(block_stage(i), p, ck, cv, layer) for i, p, (ck, cv), layer
                         in zip(seg.blocks, params["blocks"], caches, layers)]
@@ -285,7 +287,7 @@ def run_segments(segs, fns, which: str, x, ctl, head_in: HeadIn, mode: str, weig
         seg_x, seg_ctl = x, ctl
         if which == "decode" and seg.has_embed:
             seg_x, seg_ctl = None, with_tokens(ctl, x)
-        with tf.device(seg.device):
+        with _on(seg.device):
             if which == "prefill":
                 x = seg_fns.prefill(seg_x, seg_ctl, seg_mode, seg_head_in, weights=seg_weights,
                                     **({"want_logits": True} if want_logits else {}))
@@ -333,7 +335,7 @@ def decode_function(segs, fns, mode: str, S: int, window: int | None,
     loop_device = segs[-1].device
 
     def decode_loop(tok_B, pad_B, slot, done_B, n_steps, floats_Bx2, ints_Bx2, weights):
-      with tf.device(loop_device):
+      with _on(loop_device):
         pad_B, n_steps, done_B, slot, tok_B = (tf.identity(t) for t in
                                                (pad_B, n_steps, done_B, slot, tok_B))
         B = pad_B.shape[0]
@@ -342,11 +344,11 @@ def decode_function(segs, fns, mode: str, S: int, window: int | None,
                   tf.TensorArray(tf.int32, size=n_steps, element_shape=pad_B.shape))
 
         def cond(i, slot, tok_B, done_B, tokens):
-            with tf.device(loop_device):
+            with _on(loop_device):
                 return (i < n_steps) & tf.logical_not(tf.reduce_all(done_B))
 
         def body(i, slot, tok_B, done_B, tokens):
-            with tf.device(loop_device):
+            with _on(loop_device):
                 tok_B, done_B = _decode_step(segs, fns, mode, window, tok_B, slot, pad_B,
                                              done_B, floats_Bx2, ints_Bx2, weights)
                 tokens = (xla.dynamic_update_slice(tokens, tok_B[None], tf.stack([i, 0]))
@@ -363,7 +365,7 @@ def decode_function(segs, fns, mode: str, S: int, window: int | None,
 
         @tf.function
         def graph(*args):  # TF cannot run a compiled function eagerly on a remote device
-            with tf.device(loop_device):
+            with _on(loop_device):
                 return compiled(*args)
     else:
         graph = tf.function(decode_loop)
@@ -403,7 +405,7 @@ def shift_function(segs) -> OnDevice:
     @tf.function
     def run(delta, weights):
         for seg, (_, seg_caches) in zip(segs, weights):
-            with tf.device(seg.device):
+            with _on(seg.device):
                 for ck, cv in seg_caches:
                     ck.assign(tf.roll(ck, delta, axis=2))
                     cv.assign(tf.roll(cv, delta, axis=2))
@@ -418,6 +420,12 @@ def logits_function(segs, fns) -> OnDevice:
         return run_segments(segs, fns, "prefill", ids_BxP, pack_prefill_ctl(0, 0, pad_B),
                             HeadIn.greedy(pad_B.shape[0]), "greedy", weights, want_logits=True)
     return OnDevice(run, segs[-1].device)
+
+
+def _on(device: str):
+    """``tf.device(device)``, or no scope for a graph traced without devices (see
+    :class:`Program`): its ops run on the device its call is made under."""
+    return tf.device(device) if device else contextlib.nullcontext()
 
 
 def client_cpu() -> str:
@@ -449,9 +457,10 @@ class OnDevice:
         self.weights = None      # what bind() supplies as the last argument
         self._flat: dict = {}    # Packed -> self.weights as its graph's inputs
 
-    def bind(self, weights) -> OnDevice:
-        """This function with ``weights`` as its last argument; it shares the traces."""
-        bound = OnDevice(self.fn, self.device)
+    def bind(self, weights, device: str | None = None) -> OnDevice:
+        """This function with ``weights`` as its last argument, run on ``device`` (default:
+        its own); it shares the traces."""
+        bound = OnDevice(self.fn, device or self.device)
         bound._packed, bound.weights = self._packed, weights
         return bound
 
@@ -515,8 +524,11 @@ class Program:
     ``fns`` are the segments' :func:`shared_segment_functions`, ``params`` their weights and
     ``caches`` per segment one ``(k, v)`` variable pair per block. The graphs are made on first
     use per sampling mode (and attention window), each tracing once per batch shape; their
-    traces are shared with every Program over the same segments and shapes (``_shared``), so
-    a copy placed again, or a lane back at a size it had, traces and compiles nothing anew.
+    traces are shared with every Program over the same stages and shapes (``_shared``), so a
+    copy placed again, or a lane back at a size it had, traces nothing anew. The graphs of a
+    Program on one device name no device (each call runs where it is made, see
+    :class:`OnDevice`), so the replicas of a model on several workers share them as well; a
+    chain over several devices names each segment's.
     """
 
     def __init__(self, segs, fns, params, caches, max_len: int, fused: bool):
@@ -524,21 +536,26 @@ class Program:
         self.max_len, self.fused = max_len, fused
         self.rows = caches[0][0][0].shape[0] if caches and caches[0] else None
         self.weights = tuple(weights_arg(p, c) for p, c in zip(params, caches))
-        # the shared segment functions (alive in the table while a graph over them is) and the
-        # shapes: what the graphs close over or are traced for
-        self._spec = (tuple(map(id, self.fns)), _weights_spec(self.weights), max_len, fused)
+        self.device = self.segments[-1].device  # where the graphs' calls are made
+        if not self.unrolled:  # one device: graphs traced without it (see _on)
+            segs = [dataclasses.replace(seg, device="") for seg in self.segments]
+        # what the graphs close over (the shared segment functions are alive in the table while
+        # a graph over them is) and the shapes they are traced for
+        self._segs = segs
+        self._spec = (tuple(segs), tuple(map(id, self.fns)), _weights_spec(self.weights),
+                      max_len, fused)
         self.graphs: dict = {}  # (kind, mode, window) -> OnDevice bound to self.weights
 
     def _graph(self, key, make):
         graph = self.graphs.get(key)
         if graph is None:
             graph = self.graphs[key] = _shared_entry(("program", key, self._spec),
-                                                     make).bind(self.weights)
+                                                     make).bind(self.weights, self.device)
         return graph
 
     def prefill_fn(self, mode: str) -> OnDevice:
         """:func:`prefill_function` over these caches, sampling in ``mode``."""
-        segs, fns = self.segments, self.fns
+        segs, fns = self._segs, self.fns
         return self._graph(("prefill", mode), lambda: prefill_function(segs, fns, mode))
 
     @property
@@ -552,7 +569,7 @@ class Program:
         """:func:`decode_function` over these caches (``"greedy"``, ``"sample"`` or
         ``"filter"``), attention reading the first ``window`` slots (None: all); when
         :attr:`unrolled`, exactly ``steps`` steps per call."""
-        segs, fns, S, fused = self.segments, self.fns, self.max_len, self.fused
+        segs, fns, S, fused = self._segs, self.fns, self.max_len, self.fused
         if self.unrolled:
             return self._graph(("decode", mode, window, steps), lambda: unrolled_decode(
                 segs, fns, mode, window, steps))
@@ -561,9 +578,9 @@ class Program:
 
     def shift_fn(self) -> OnDevice:
         """:func:`shift_function` over these caches."""
-        segs = self.segments
+        segs = self._segs
         return self._graph(("shift",), lambda: shift_function(segs))
 
     def logits_fn(self, P: int) -> OnDevice:
-        segs, fns = self.segments, self.fns
+        segs, fns = self._segs, self.fns
         return self._graph(("logits",), lambda: logits_function(segs, fns))
