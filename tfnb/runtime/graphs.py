@@ -47,9 +47,9 @@ from tfnb.runtime import wire
 
 __all__ = ["HeadIn", "SegmentFns", "pack_ctl", "pack_prefill_ctl", "with_tokens", "unpack_ctl",
            "segment_functions", "shared_segment_functions", "weights_arg", "segment_traces",
-           "program_traces",
-           "run_segments", "prefill_function", "decode_function", "unrolled_decode",
-           "shift_function", "logits_function", "OnDevice", "Program", "client_cpu"]
+           "program_traces", "run_segments", "prefill_function", "decode_function",
+           "unrolled_decode", "shift_function", "logits_function", "OnDevice", "Program",
+           "client_cpu"]
 
 
 class _QuietRetracing(logging.Filter):
@@ -122,11 +122,12 @@ def _embed(ids_BxT, params, cfg):
     return x_BxTxD if cfg.embed_scale == 1.0 else x_BxTxD * cfg.embed_scale
 
 
-# Traced functions shared by every placement of the same segments (devices and stages) of the
-# same model: segment functions and the chunk graphs over them (:class:`Program`) take the
-# weights and caches as an argument, so a copy placed anew on the same devices (a healed copy,
-# a replacement, a lane's caches for another batch size) reuses the traces of the copy before it,
-# and its workers the programs XLA compiled for them. TF keys a trace by the variables' shapes
+# Traced functions shared by every placement of the same stages of the same model (on one
+# device, wherever it is; a chain over several devices, on the same devices): segment functions
+# and the chunk graphs over them (:class:`Program`) take the weights and caches as an argument,
+# so a copy placed anew (a healed copy, a replacement, another replica, a lane's caches for
+# another batch size) reuses the traces of the copy before it, and its workers the programs XLA
+# compiled for them. TF keys a trace by the variables' shapes
 # and dtypes, not by which variables they are, and never gives a trace's memory back
 # (docs/runtime.md, "Compiled segments and chunks"). The table holds one cluster connection's
 # traces: another cluster's workers (the same device names) lack the functions they call. The
