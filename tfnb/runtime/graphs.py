@@ -33,7 +33,7 @@ import dataclasses
 import functools
 import logging
 import threading
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from typing import NamedTuple
 
 import tensorflow as tf
@@ -127,17 +127,17 @@ def _embed(ids_BxT, params, cfg):
 # and the chunk graphs over them (:class:`Program`) take the weights and caches as an argument,
 # so a copy placed anew (a healed copy, a replacement, another replica, a lane's caches for
 # another batch size) reuses the traces of the copy before it, and its workers the programs XLA
-# compiled for them. TF keys a trace by the variables' shapes
-# and dtypes, not by which variables they are, and never gives a trace's memory back
-# (docs/runtime.md, "Compiled segments and chunks"). The table holds one cluster connection's
-# traces: another cluster's workers (the same device names) lack the functions they call. The
-# LRU bound keeps calibrations of many models from piling up.
+# compiled for them. TF keys a trace by the variables' shapes and dtypes, not by which variables
+# they are, and never gives a trace's memory back (docs/runtime.md, "Compiled segments and
+# chunks"). The table holds one cluster connection's traces: another cluster's workers (the same
+# device names) lack the functions they call. The LRU bound keeps calibrations of many models
+# from piling up.
 _SHARED_LIMIT = 256
 _shared_generation = None  # tfnb.cluster.connect.generation() of the table's traces
 _shared: OrderedDict = OrderedDict()  # key -> SegmentFns (over weights) or OnDevice (of a Program)
 _shared_lock = threading.Lock()
-_traces: Counter = Counter()  # segment graphs traced (a Python side effect of the traced
-                              # functions runs at trace time only)
+_segment_traces = 0  # segment graphs traced (a Python side effect of the traced functions runs
+                     # at trace time only)
 
 
 def _shared_entry(key, make):
@@ -187,7 +187,7 @@ def segment_traces() -> int:
     """How many times this process has traced a segment's graph: placing a model again, on
     any worker, at shapes it ran, adds none."""
     with _shared_lock:
-        return _traces["segment"]
+        return _segment_traces
 
 
 def program_traces() -> int:
@@ -222,8 +222,9 @@ def _segment_functions(seg: Segment, cfg, eos_ids: tuple, pad_id) -> SegmentFns:
     layers = [L.layer_of(cfg, i) for i in seg.blocks]
 
     def blocks_of(weights):
+        global _segment_traces
         with _shared_lock:
-            _traces["segment"] += 1
+            _segment_traces += 1
         params, caches = weights
         return params, [(block_stage(i), p, ck, cv, layer) for i, p, (ck, cv), layer
                         in zip(seg.blocks, params["blocks"], caches, layers)]
@@ -538,12 +539,12 @@ class Program:
         self.rows = caches[0][0][0].shape[0] if caches and caches[0] else None
         self.weights = tuple(weights_arg(p, c) for p, c in zip(params, caches))
         self.device = self.segments[-1].device  # where the graphs' calls are made
-        if not self.unrolled:  # one device: graphs traced without it (see _on)
-            segs = [dataclasses.replace(seg, device="") for seg in self.segments]
+        # on one device the graphs are traced without it (see _on)
+        self._segs = self.segments if self.unrolled else [
+            dataclasses.replace(seg, device="") for seg in self.segments]
         # what the graphs close over (the shared segment functions are alive in the table while
         # a graph over them is) and the shapes they are traced for
-        self._segs = segs
-        self._spec = (tuple(segs), tuple(map(id, self.fns)), _weights_spec(self.weights),
+        self._spec = (tuple(self._segs), tuple(map(id, self.fns)), _weights_spec(self.weights),
                       max_len, fused)
         self.graphs: dict = {}  # (kind, mode, window) -> OnDevice bound to self.weights
 
