@@ -340,10 +340,18 @@ class ReplicatedModel:
 
     def close(self) -> None:
         """Stop healing and drop the shapes still queued to compile; the copies keep their
-        state on the workers until this model is garbage-collected."""
+        state on the workers until this model is garbage-collected.
+
+        A heal under way is waited for (up to ``HEAL_CALL_S``): nothing reconnects or places
+        after ``close`` returns, so the workers may be stopped then (a reconnect to workers
+        stopping under it can hang in TensorFlow, holding the cluster lock for good)."""
         self._closed = True
+        with self._heal_lock:
+            healer = self._healer
         self.heal(False)
         self.cancel_warmup()
+        if healer is not None and healer is not threading.current_thread():
+            healer.join(HEAL_CALL_S)
 
     def _heal_turn(self) -> bool:
         """One look at the copies (the healer's loop body); False ends healing for good."""
