@@ -877,52 +877,23 @@ def test_a_packed_models_profile_counts_its_in_place_attention_as_attention(tiny
     assert kinds == {"attention"}, sorted({(e["kind"], e["name"]) for e in prof.compiled})
 
 
-def wait_for_port(port, proc, timeout=90.0):
-    import socket
-    import time
+def test_a_worker_without_the_packed_ops_takes_the_xla_route(tiny_gguf):
+    """A plain ``tf.distribute.Server`` (no tfnb kernels loaded): a packed model placed there
+    takes the XLA route by itself and generates; asked for the kernel there, ``place`` names
+    the missing op and the ways out."""
+    from tests.plain_servers import plain_servers
 
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "the plain TF server exited"
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.2)
-    raise AssertionError(f"nothing listens on 127.0.0.1:{port} after {timeout} s")
-
-
-def test_a_worker_without_the_packed_ops_gets_one_clear_error(tiny_gguf):
-    """A plain ``tf.distribute.Server`` (no tfnb kernels loaded): placing packed weights on it
-    names the missing op and the way out; float32 weights still place there."""
-    from tfnb.cluster.local import free_ports
-    from tfnb.cluster.security import LoopbackGuard
-    from tfnb.errors import ClusterError
-
-    port = free_ports(1)[0]
-    try:
-        guard = LoopbackGuard([port])
-    except ClusterError as e:
-        pytest.skip(f"a plain TF server listens on every interface; no loopback guard here ({e})")
-    code = ("import tensorflow as tf, sys; tf.distribute.Server(tf.train.ClusterSpec("
-            f"{{'worker': ['127.0.0.1:{port}']}}), 'worker', 0).join()")
-    server = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
-    try:
-        wait_for_port(port, server)
+    with plain_servers(1) as addresses:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            cluster = tfnb.connect([f"127.0.0.1:{port}"], timeout=30.0)
+            cluster = tfnb.connect(addresses, timeout=30.0)
+        model = tfnb.load_model(tiny_gguf, progress=False)
         with pytest.raises(PlacementError, match="TfnbPackedDequantize") as err:
-            tfnb.place(tfnb.load_model(tiny_gguf, progress=False), [cluster.devices[0]], cluster)
-        assert "tfnb worker" in str(err.value) and "weights='float32'" in str(err.value)
-        floats = tfnb.load_model(tiny_gguf, weights="float32", progress=False)
-        assert len(tfnb.place(floats, [cluster.devices[0]], cluster).generate_ids(
-            PROMPTS[0], max_new_tokens=2)) == 2
-    finally:
-        server.kill()
-        server.wait(timeout=10)
-        guard.close()
+            tfnb.place(model, [cluster.devices[0]], cluster, route="kernel")
+        assert "tfnb worker" in str(err.value) and "route='xla'" in str(err.value)
+        placed = tfnb.place(model, [cluster.devices[0]], cluster)
+        assert set(placed.stage_routes.values()) == {"xla"} and "xla" in repr(placed)
+        assert len(placed.generate_ids(PROMPTS[0], max_new_tokens=2)) == 2
 
 
 def test_kernels_docstring_examples_run():

@@ -33,7 +33,7 @@ def _assignment(model, plan, cluster) -> dict:
 
 
 def place(model, plan=None, cluster=None, *, timeout: float | None = 60.0, previous=None,
-          files=None, progress=True, activations: str | None = None):
+          files=None, progress=True, activations: str | None = None, route=None):
     """Put ``model``'s stages on the devices of ``plan`` and return the placed model.
 
     Parameters
@@ -66,6 +66,13 @@ def place(model, plan=None, cluster=None, *, timeout: float | None = 60.0, previ
         larger than the cache, slower on small ones), ``"float32"`` keeps float32 activations
         (equal to the float32 path up to summation order). Default:
         ``tfnb.runtime.placed.DEFAULT_ACTIVATIONS`` (docs/kernels.md).
+    route : {"auto", "kernel", "xla"} or dict, optional
+        Where packed matrices multiply: ``"kernel"``, tfnb's fused ops (CPU devices of ``tfnb
+        worker``); ``"xla"``, held as plain tensors in the file's bytes and multiplied in XLA
+        ops, which any TF server and any device runs (a plain ``tf.distribute.Server``, a
+        GPU); ``"auto"`` (default) the kernel where a CPU device has it, else XLA. A dict sets
+        it per worker or device (``{"worker:1": "xla"}``). ``placed.routes`` says what each
+        device got (docs/gpu.md).
 
     Examples
     --------
@@ -79,6 +86,10 @@ def place(model, plan=None, cluster=None, *, timeout: float | None = 60.0, previ
         from tfnb.runtime.placed import check_activations  # imports TensorFlow
 
         check_activations(activations)
+    if route is not None:
+        from tfnb.runtime.weights import check_route  # imports TensorFlow
+
+        check_route(route)
     cluster = cluster if cluster is not None else current(required=False)
     if plan is None:
         if cluster is None:
@@ -93,7 +104,8 @@ def place(model, plan=None, cluster=None, *, timeout: float | None = 60.0, previ
         check_files(files, cluster.workers if cluster is not None else None)
     assignment = _assignment(model, plan, cluster)
     if isinstance(plan, Plan) and plan.replicas:
-        return _place_replicas(model, plan, cluster, timeout, files, progress, activations)
+        return _place_replicas(model, plan, cluster, timeout, files, progress, activations,
+                               route)
     if cluster is not None:
         unknown = sorted(set(assignment.values()) - set(cluster.devices))
         if unknown:
@@ -104,11 +116,12 @@ def place(model, plan=None, cluster=None, *, timeout: float | None = 60.0, previ
         from tfnb.runtime import place_llama
 
         if previous is not None and hasattr(previous, "replace") and \
-                activations in (None, getattr(previous, "activations", None)):
+                activations in (None, getattr(previous, "activations", None)) and \
+                route in (None, getattr(previous, "route", None)):
             placed = previous.replace(assignment)  # a lost previous placement reuses nothing
         else:
             placed = place_llama(model, assignment, timeout=timeout, files=files,
-                                 progress=progress, activations=activations)
+                                 progress=progress, activations=activations, route=route)
     elif model.arch == "keras":
         from tfnb.runtime.layers import place_layers
 
@@ -125,7 +138,7 @@ def place(model, plan=None, cluster=None, *, timeout: float | None = 60.0, previ
     return placed
 
 
-def _place_replicas(model, plan: Plan, cluster, timeout, files, progress, activations):
+def _place_replicas(model, plan: Plan, cluster, timeout, files, progress, activations, route):
     """One full copy per replica (on one device, or a pipeline over a group of them); each is
     registered with the cluster on its own, so a lost worker takes only its own copy."""
     if model.arch != "llama":
@@ -141,7 +154,7 @@ def _place_replicas(model, plan: Plan, cluster, timeout, files, progress, activa
     replicas = []
     for assignment in plan.replica_assignments():
         replica = place_llama(model, assignment, timeout=timeout, files=files,
-                              progress=progress, activations=activations)
+                              progress=progress, activations=activations, route=route)
         if cluster is not None:
             devices = list(dict.fromkeys(assignment.values()))
             cluster.register(replica, f"{model.name} replica on "

@@ -90,10 +90,18 @@ def widen_blocks(rows, from_qtype: int, qtype: int):
     return tf.reshape(tf.concat([blocks[..., :2], values], -1), [n_rows, -1])
 
 
-@functools.lru_cache(maxsize=8)
 def _widen_fn(from_qtype: int, qtype: int):
     """``widen_blocks`` as a traced function (its constants travel inside it; see
-    ``WeightLoader._read``)."""
+    ``WeightLoader._read``), one per cluster generation: a trace is registered only on the
+    workers of the cluster current when it was first called
+    (``tfnb.cluster.connect.generation``)."""
+    from tfnb.cluster.connect import generation
+
+    return _widen_fn_of(from_qtype, qtype, generation())
+
+
+@functools.lru_cache(maxsize=8)
+def _widen_fn_of(from_qtype: int, qtype: int, generation: int):
     return tf.function(lambda rows: widen_blocks(rows, from_qtype, qtype), autograph=False,
                        input_signature=[tf.TensorSpec([None, None], tf.uint8)])
 

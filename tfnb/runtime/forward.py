@@ -39,6 +39,7 @@ from tensorflow.compiler.tf2xla.python import xla
 
 from tfnb import kernels
 from tfnb.models.packed import fuse_rows
+from tfnb.runtime import compact
 
 __all__ = [
     "BlockParams", "Layer", "layer_of", "fuse_block", "rms_norm", "rope_tables", "rope_for",
@@ -76,11 +77,13 @@ class Packed(NamedTuple):
 
 class Stacked(NamedTuple):
     """Packed matrices side by side on a device (``PackedStack``): their outputs joined."""
-    parts: tuple  # of Packed
+    parts: tuple  # of Packed or compact.Compact
 
 
 def is_packed(w) -> bool:
-    return isinstance(w, (Packed, Stacked))
+    """Whether ``w`` multiplies with tfnb's packed-weight kernel (so its device has tfnb's
+    ops); a ``Compact`` matrix, or a ``Stacked`` of them, does not."""
+    return isinstance(w, Packed) or (isinstance(w, Stacked) and isinstance(w.parts[0], Packed))
 
 
 class BlockParams(NamedTuple):
@@ -160,7 +163,10 @@ _decode_attention = tf.autograph.experimental.do_not_convert(
 
 
 def matmul(x_NxD, w_DxC):
-    """``x @ w`` for a 2-D ``x`` and a float32, ``Packed`` or ``Stacked`` kernel."""
+    """``x @ w`` for a 2-D ``x`` and a float32, ``Packed``, ``Compact`` (the XLA route:
+    :mod:`tfnb.runtime.compact`) or ``Stacked`` kernel."""
+    if isinstance(w_DxC, compact.Compact):
+        return compact.matmul(x_NxD, w_DxC)
     if isinstance(w_DxC, Stacked):
         return tf.concat([matmul(x_NxD, part) for part in w_DxC.parts], axis=-1)
     if isinstance(w_DxC, Packed):
@@ -418,7 +424,10 @@ def block_decode(x_Bx1xD, p: BlockParams, cache_k, cache_v, pad_B, slot, cfg, wi
 
 
 def embed(ids_BxT, table_VxD):
-    """Token embeddings (B, T, D); a ``Packed`` table has one row per token."""
+    """Token embeddings (B, T, D); a ``Packed`` or ``Compact`` table has one row per token."""
+    if isinstance(table_VxD, compact.Compact):
+        x_NxD = compact.gather_rows(table_VxD, tf.reshape(ids_BxT, [-1]))
+        return tf.reshape(x_NxD, [ids_BxT.shape[0], ids_BxT.shape[1], table_VxD.cols])
     if isinstance(table_VxD, Packed):
         # gather from the read value: gathering from the variable itself (ResourceGather) would
         # switch it to copy-on-read, and every later read (the head's matmul) would copy it
@@ -431,7 +440,7 @@ def embed(ids_BxT, table_VxD):
 def embed_from_columns(ids_BxT, table_DxV):
     """Token embeddings (B, T, D) from the tied head's matrix: a transposed float table, or the
     packed table itself (its rows are the tokens either way)."""
-    if isinstance(table_DxV, Packed):
+    if isinstance(table_DxV, (Packed, compact.Compact)):
         return embed(ids_BxT, table_DxV)
     return tf.transpose(tf.gather(table_DxV, ids_BxT, axis=1), [1, 2, 0])
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 import weakref
 from collections import OrderedDict
 
@@ -31,7 +32,10 @@ import tensorflow as tf
 from tfnb import kernels
 from tfnb.errors import GenerateError, GenerateStalled, PlacementError, WorkerLostError
 from tfnb.models.chain import segments, stage_names
-from tfnb.models.packed import PackedTensor
+from tfnb.models.packed import PackedStack, PackedTensor
+from tfnb.names import format_bytes, short_device
+from tfnb.runtime import compact
+from tfnb.runtime import forward as L
 from tfnb.runtime.devices import resolve_assignment
 from tfnb.runtime.faults import call_with_deadline
 from tfnb.runtime.fileload import WeightLoader
@@ -48,9 +52,9 @@ from tfnb.runtime.session import GenerateSession
 from tfnb.runtime.slots import MAX_ROWS
 from tfnb.runtime.tickets import RECENT, SAMPLING_MODES
 from tfnb.runtime.weights import (
-    check_packed_ops,
     check_weights,
     kv_caches,
+    packed_routes,
     param_variables,
     segment_params,
     segment_weights,
@@ -80,7 +84,7 @@ def check_activations(activations: str | None) -> str:
 
 def place_llama(model, assignment, *, timeout: float | None = 60.0,
                 xla_loop: bool = True, files=None, progress=False,
-                activations: str | None = None) -> PlacedModel:
+                activations: str | None = None, route=None) -> PlacedModel:
     """Put ``model``'s stages on devices and return a ``PlacedModel`` ready to generate.
 
     Parameters
@@ -116,6 +120,12 @@ def place_llama(model, assignment, *, timeout: float | None = 60.0,
         ``"int8"`` as llama.cpp does (activations rounded to int8 blocks, integer dot
         products), ``"float32"`` with float32 activations. Default
         :data:`DEFAULT_ACTIVATIONS`.
+    route : {"auto", "kernel", "xla"} or dict, optional
+        Where packed matrices multiply (``tfnb.runtime.weights.packed_routes``): with tfnb's
+        fused kernel (CPU devices of ``tfnb worker``), or held as plain tensors and multiplied
+        in XLA ops (:mod:`tfnb.runtime.compact`: any TF server, any device). ``"auto"`` (None)
+        takes the kernel where a CPU device has it; a dict sets it per worker or device
+        (``{"worker:1": "xla"}``). ``placed.routes`` says what each device got.
 
     Raises
     ------
@@ -139,7 +149,7 @@ def place_llama(model, assignment, *, timeout: float | None = 60.0,
     check_weights(config, weights)
     return PlacedModel(config, weights, getattr(model, "tokenizer", None), resolved,
                        timeout=timeout, name=getattr(model, "name", None), xla_loop=xla_loop,
-                       files=files, progress=progress, activations=activations)
+                       files=files, progress=progress, activations=activations, route=route)
 
 
 class PlacedModel:
@@ -180,8 +190,9 @@ class PlacedModel:
     def __init__(self, config, weights, tokenizer, assignment: dict[str, str], *,
                  timeout: float | None = 60.0, name: str | None = None, reuse=None,
                  xla_loop: bool = True, plan=None, files=None, progress=False,
-                 activations: str | None = None):
+                 activations: str | None = None, route=None):
         self.activations = check_activations(activations)
+        self.route = route
         self.config, self.tokenizer, self.timeout, self.name = config, tokenizer, timeout, name
         self.plan = plan
         self._weights = weights  # the client's copy (not duplicated), for replace()
@@ -209,8 +220,11 @@ class PlacedModel:
         self._files, self._progress = files, progress
         loader = WeightLoader(weights, self.devices, files, progress)
         self.params = []
+        self._requantized: list[tuple[str, str, int, float]] = []
         if any(isinstance(w, PackedTensor) for w in weights.values()):
-            check_packed_ops(self.devices, timeout=timeout)
+            self.routes = packed_routes(self.devices, route, timeout=timeout)
+        else:
+            self.routes = dict.fromkeys(self.devices, "float32")
         loader.check(timeout)  # a worker's file that differs stops here, before any weight
         loader.plan_sends(self.segments, lambda seg: segment_weights(config, weights, seg))
         try:  # copying a large model may take minutes; a silent worker fails it in seconds
@@ -223,6 +237,7 @@ class PlacedModel:
                                  f"{str(e).splitlines()[0][:200]}") from e
         loader.finish()
         self.weight_sources = loader.summary()
+        self._warn_requantized()
 
     # ----- weights and caches ---------------------------------------------------------------
 
@@ -233,7 +248,9 @@ class PlacedModel:
         made: dict[int, dict] = {}
         errors: list[BaseException] = []
 
-        def routed(device, value, name):  # each packed matrix multiplies on the chosen route
+        def routed(device, value, name):  # each packed matrix multiplies on its device's route
+            if self.routes[device] == "xla":
+                return self._compact(put, device, value, name)
             return with_activations(put(device, value, name), self.activations)
 
         def run(device):
@@ -253,6 +270,35 @@ class PlacedModel:
             raise errors[0]
         return [made[i] for i in range(len(self.segments))]
 
+    def _compact(self, put, device: str, value, name: str):
+        """``value`` on ``device`` for the XLA route: a packed matrix as a ``compact.Compact``
+        (its blocks placed as the kernel route's, then rewritten there), the rest as is."""
+        if isinstance(value, PackedStack):
+            return L.Stacked(tuple(self._compact(put, device, p, f"{name}.{i}")
+                                   for i, p in enumerate(value.parts)))
+        if not isinstance(value, PackedTensor):
+            return put(device, value, name)
+        if value.qtype not in compact.EXACT:
+            kind, nbytes = value.qtype_name, value.nbytes
+            value, error = compact.requantized(value)
+            self._requantized.append((device, kind, value.nbytes - nbytes, error))
+        blocks = put(device, value, name)
+        return compact.compact_on(device, blocks.data, value.qtype, value.cols, name)
+
+    def _warn_requantized(self) -> None:
+        """One warning for the matrices the XLA route held as Q8_0 instead of their type."""
+        if not self._requantized:
+            return
+        kinds = sorted({k for _, k, _, _ in self._requantized})
+        where = sorted({short_device(d).split("/")[0] for d, *_ in self._requantized})
+        grown = sum(n for _, _, n, _ in self._requantized)
+        error = max(e for *_, e in self._requantized)
+        warnings.warn(
+            f"route 'xla' holds {len(self._requantized)} {'/'.join(kinds)} matrices as Q8_0 on "
+            f"{', '.join(where)} (+{format_bytes(grown)}; largest error "
+            f"{100 * error:.2f}% of a row's largest value); the kernel route keeps them as "
+            "they are", stacklevel=4)
+
     def replace(self, assignment) -> PlacedModel:
         """A new placement of the same model; blocks whose device is unchanged keep their
         variables (nothing moves for them), the others are created on their new device. A
@@ -271,7 +317,7 @@ class PlacedModel:
         pm = PlacedModel(self.config, self._weights, self.tokenizer, resolved,
                          timeout=self.timeout, name=self.name, reuse=reuse,
                          xla_loop=self.xla_loop, files=self._files, progress=self._progress,
-                         activations=self.activations)
+                         activations=self.activations, route=self.route)
         pm.compile_timeout = self.compile_timeout
         pm.moved_stages = [s for s in resolved
                            if self._lost or resolved[s] != self.assignment.get(s)]
@@ -553,10 +599,20 @@ class PlacedModel:
                                         text=text, options=GenerateOptions.of(options))
         return GenerateSession(self, request)
 
+    @property
+    def stage_routes(self) -> dict[str, str]:
+        """Stage -> how its matrices multiply: ``"kernel"`` (tfnb's packed-weight ops),
+        ``"xla"`` (compact tensors in XLA ops) or ``"float32"`` (a float model)."""
+        return {stage: self.routes[device] for stage, device in self.assignment.items()}
+
+    def route_summary(self) -> str:
+        """One line: each device's route, e.g. ``"worker:0/CPU:0 kernel, worker:1/CPU:0 xla"``."""
+        return ", ".join(f"{short_device(d)} {r}" for d, r in self.routes.items())
+
     def __repr__(self) -> str:
         segs = ", ".join(f"{s.stages[0]}..{s.stages[-1]}@{s.device}" if len(s.stages) > 1
                          else f"{s.stages[0]}@{s.device}" for s in self.segments)
-        return f"PlacedModel({self.name or 'llama'}: {segs})"
+        return f"PlacedModel({self.name or 'llama'}: {segs}; weights: {self.route_summary()})"
 
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()

@@ -524,9 +524,13 @@ class ReplicatedModel:
             self._done(replica, None)
             return result
 
+    def route_summary(self) -> str:
+        """Each device's matmul route over the copies (``PlacedModel.route_summary``)."""
+        return ", ".join(dict.fromkeys(r.route_summary() for r in self.replicas))
+
     def __repr__(self) -> str:
         return (f"ReplicatedModel({self.name or 'llama'}: {len(self.replicas)} replicas on "
-                f"{self.devices})")
+                f"{self.devices}; weights: {self.route_summary()})")
 
 
 def _notify(wake: threading.Condition) -> None:

@@ -17,6 +17,8 @@ Examples
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import tensorflow as tf
 
@@ -24,11 +26,14 @@ from tfnb.errors import PlacementError
 from tfnb.models.chain import Segment, block_stage
 from tfnb.models.decoder import weight_shapes
 from tfnb.models.packed import PackedStack, PackedTensor
+from tfnb.names import short_device
+from tfnb.runtime import compact
 from tfnb.runtime import forward as L
 from tfnb.runtime.graphs import client_cpu
 
 __all__ = ["variable_on", "segment_params", "segment_weights", "kv_caches", "check_weights",
-           "param_variables", "check_packed_ops", "with_activations"]
+           "param_variables", "packed_routes", "check_route", "ROUTES", "device_type",
+           "with_activations"]
 
 
 def variable_on(device: str, value, name: str):
@@ -151,26 +156,81 @@ def param_variables(params: list[dict]) -> list[tf.Variable]:
         for v in [p[k] for k in ("embed_VxD", "embed_DxV") if k in p] \
                 + [v for b in p["blocks"] for v in b if v is not None] \
                 + [p[k] for k in ("final_norm", "out_DxV") if k in p]:
-            for leaf in [p.data for p in v.parts] if isinstance(v, L.Stacked) \
-                    else [v.data] if L.is_packed(v) else [v]:
+            for leaf in _leaves(v):
                 out.setdefault(id(leaf), leaf)
     return list(out.values())
 
 
-def check_packed_ops(devices, timeout: float | None = 60.0) -> None:
-    """PlacementError naming the first device whose process lacks tfnb's packed-weight ops
-    (``tfnb.kernels.OP_NAMES``): a plain ``tf.distribute.Server`` rather than ``tfnb worker``.
+def _leaves(w) -> list:
+    """The variables holding one weight: a packed matrix's blocks, a compact one's values,
+    scales and minimums, or the variable itself."""
+    if isinstance(w, L.Stacked):
+        return [leaf for part in w.parts for leaf in _leaves(part)]
+    if isinstance(w, L.Packed):
+        return [w.data]
+    if isinstance(w, compact.Compact):
+        return [t for t in (w.q, w.d, w.m) if t is not None]
+    return [w]
 
-    Each device runs the op once on a one-value row, under the deadline and liveness probes.
+
+ROUTES = ("auto", "kernel", "xla")
+
+
+def device_type(device: str) -> str:
+    """``"GPU"`` for ``.../device:GPU:0`` or ``/gpu:0``; ``"CPU"`` for a CPU or a string naming
+    no device type."""
+    m = re.search(r"/(?:device:)?([A-Za-z_]+):\d+$", device)
+    kind = m.group(1).upper() if m else "CPU"
+    return "CPU" if kind in ("TASK", "REPLICA") else kind
+
+
+def check_route(route) -> None:
+    """PlacementError for a ``route=`` that is not one of :data:`ROUTES` or a dict of worker or
+    device -> one of them."""
+    asked = route.values() if isinstance(route, dict) else [route]
+    for r in asked:
+        if r is not None and r not in ROUTES:
+            raise PlacementError(f"route={r!r}: expected one of {list(ROUTES)} (or a dict such "
+                                 "as {'worker:1': 'xla'})")
+
+
+def _asked_route(route, device: str) -> str:
+    if not isinstance(route, dict):
+        return route or "auto"
+    short = short_device(device)
+    for key, r in route.items():
+        if str(key) in (device, short, short.split("/")[0]):
+            return r or "auto"
+    return "auto"
+
+
+def packed_routes(devices, route=None, timeout: float | None = 60.0) -> dict[str, str]:
+    """How each device multiplies packed weights: ``"kernel"`` (tfnb's fused ops: a CPU device
+    of a ``tfnb worker``) or ``"xla"`` (plain TF ops, :mod:`tfnb.runtime.compact`: any device).
+
+    ``route`` is ``"auto"`` (None: the kernel where a CPU device has tfnb's ops, else XLA),
+    ``"kernel"``, ``"xla"``, or a dict of worker or device -> one of those (others auto).
+    Each CPU device that may take the kernel runs its op once on a one-value row, under the
+    deadline and liveness probes; a device asked for the kernel that lacks it (a plain
+    ``tf.distribute.Server``) or is not a CPU is one ``PlacementError``.
     """
     from tfnb import kernels
     from tfnb.runtime.faults import call_with_deadline
 
+    check_route(route)
+    asked = {d: _asked_route(route, d) for d in devices}
+    for device, r in asked.items():
+        if r == "kernel" and device_type(device) != "CPU":
+            raise PlacementError(f"route 'kernel' on {short_device(device)}: tfnb's packed-weight "
+                                 "kernel is CPU code; use route='xla' (or 'auto') there")
+    probing = [d for d, r in asked.items() if r != "xla" and device_type(d) == "CPU"]
     try:
-        kernels.library()
+        kernels.library() if probing else None
     except kernels.KernelBuildError as e:
-        raise PlacementError(f"packed weights need tfnb's ops, which did not build here: {e}; "
-                             "or load the model with weights='float32'") from None
+        if any(asked[d] == "kernel" for d in probing):
+            raise PlacementError(f"route 'kernel' needs tfnb's ops, which did not build here: "
+                                 f"{e}; use route='xla'") from None
+        probing = []
     with tf.device(client_cpu()):
         one_row = tf.zeros([1, 4], tf.uint8)
 
@@ -178,15 +238,18 @@ def check_packed_ops(devices, timeout: float | None = 60.0) -> None:
         with tf.device(device):
             return kernels.packed_dequantize(one_row, kernels.QTYPES["F32"], 1).numpy()
 
-    for device in devices:
+    routes = dict.fromkeys(devices, "xla")
+    for device in probing:
         try:
             call_with_deadline(probe, (device,), timeout=timeout, devices=[device],
                                what="checking the packed-weight ops")
+            routes[device] = "kernel"
         except (tf.errors.NotFoundError, tf.errors.InvalidArgumentError) as e:
             if not any(op in str(e) for op in kernels.OP_NAMES):
                 raise
-            raise PlacementError(
-                f"device {device} cannot run tfnb's packed-weight op {kernels.OP_NAMES[1]} "
-                "(its process did not load tfnb's kernels): start that worker with `tfnb worker`, "
-                "or load the model with weights='float32'") from None
-
+            if asked[device] == "kernel":
+                raise PlacementError(
+                    f"device {device} cannot run tfnb's packed-weight op {kernels.OP_NAMES[1]} "
+                    "(its process did not load tfnb's kernels): start that worker with "
+                    "`tfnb worker`, or place with route='xla' (or 'auto')") from None
+    return routes

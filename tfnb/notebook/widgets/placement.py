@@ -387,7 +387,9 @@ class PlacementEditor(W.VBox):
             self.set_trait("busy", False)
         self.set_trait("placed", placed)
         self._applied_plan = plan
-        self.report(status=f"applied in {time.perf_counter() - start:.1f} s: {what}")
+        routes = getattr(placed, "route_summary", None)  # a llama model's matmul routes
+        self.report(status=f"applied in {time.perf_counter() - start:.1f} s: {what}"
+                    + (f"; weights: {routes()}" if routes else ""))
         self._refresh(())
         self._apply_callbacks(self)
         return placed
