@@ -14,7 +14,8 @@ import sys
 def _worker(a) -> int:
     from tfnb.cluster.worker import serve
 
-    return serve(a.cluster, a.job, a.task, profiler_port=a.profiler_port, cpus=a.cpus)
+    return serve(a.cluster, a.job, a.task, profiler_port=a.profiler_port, cpus=a.cpus,
+                 gpu=a.gpu)
 
 
 def _local(a) -> int:
@@ -104,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="also start a TF profiler server on this port")
     w.add_argument("--cpus", default=None,
                    help="pin the worker to these CPUs, e.g. '0-3' (default: all it may use)")
+    w.add_argument("--gpu", default=None,
+                   help="the GPUs this worker uses, e.g. '0' or '0,1' (nvidia-smi's numbers), "
+                        "memory growing as used; 'none' for none (default: what TF finds)")
     w.set_defaults(func=_worker)
     lo = add("local", help="run N TF workers on 127.0.0.1 until Ctrl-C")
     lo.add_argument("-n", type=int, default=2, help="number of workers (default 2)")

@@ -429,9 +429,9 @@ def connect(spec: object = None, *, timeout: float = 5.0, tf_config: bool = Fals
 
 
 def local(n_workers: int = 2, *, timeout: float = 5.0, start_timeout: float = 60.0,
-          isolate: bool = False, cpus=None, replace: bool = True) -> Cluster:
-    """Start ``n_workers`` TF workers on this machine and connect to them (``cpus``: see
-    :class:`~tfnb.cluster.local.LocalCluster`).
+          isolate: bool = False, cpus=None, gpus=None, replace: bool = True) -> Cluster:
+    """Start ``n_workers`` TF workers on this machine and connect to them (``cpus``, ``gpus``:
+    see :class:`~tfnb.cluster.local.LocalCluster`).
 
     If the cluster this process is connected to was started by ``local()`` and its workers still
     run (a second ``%tfcluster local``), it is stopped first with a warning that says so; with
@@ -445,7 +445,7 @@ def local(n_workers: int = 2, *, timeout: float = 5.0, start_timeout: float = 60
     >>> cluster = tfnb.local(2)                    # doctest: +SKIP
     >>> cluster.stop()                             # doctest: +SKIP
     """
-    LocalCluster.check_arguments(n_workers, start_timeout, cpus)
+    LocalCluster.check_arguments(n_workers, start_timeout, cpus, gpus)
     _check_timeout(timeout)
     prev = _current
     if prev is not None and prev.started_by_local and any(prev.local.alive()):
@@ -456,7 +456,7 @@ def local(n_workers: int = 2, *, timeout: float = 5.0, start_timeout: float = 60
                                "%tfcluster stop), or pass replace=True to stop it here")
         warnings.warn(f"stopping {what} before starting a new one", UserWarning, stacklevel=2)
         prev.stop()
-    lc = LocalCluster(n_workers, timeout=start_timeout, isolate=isolate, cpus=cpus)
+    lc = LocalCluster(n_workers, timeout=start_timeout, isolate=isolate, cpus=cpus, gpus=gpus)
     try:
         cluster = connect(lc, timeout=timeout)
         cluster.started_by_local = True

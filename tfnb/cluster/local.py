@@ -61,6 +61,24 @@ def _worker_cpus(cpus, n: int) -> list[str | None]:
     return [None if c is None else str(c) for c in per]
 
 
+def _worker_gpus(gpus, n: int) -> list[str | None]:
+    """One ``--gpu`` value (or None) per worker: ``gpus`` is None, one value for every worker
+    (an index, ``"0,1"`` or ``"none"``), or a list with one entry (or None) per worker."""
+    from tfnb.cluster.worker import parse_gpus
+
+    per = [gpus] * n if gpus is None or isinstance(gpus, (str, int)) else list(gpus)
+    if len(per) != n:
+        raise SpecError(f"gpus={gpus!r} has {len(per)} entries for {n} workers: expected one "
+                        "value such as 0 for all, or one entry per worker, e.g. [0, 1]")
+    for g in per:
+        if g is not None:
+            try:
+                parse_gpus(g)
+            except ValueError as e:
+                raise SpecError(str(e)) from None
+    return [None if g is None else str(g) for g in per]
+
+
 class LocalCluster:
     """Start ``n_workers`` TF worker servers on this machine and wait until each answers.
 
@@ -80,6 +98,10 @@ class LocalCluster:
         CPUs to pin workers to (``tfnb worker --cpus``): one list such as ``"0-3"`` for every
         worker, or one entry (a list or None) per worker, e.g. ``[None, "1"]`` makes worker 1 a
         one-core machine.
+    gpus : int, str or list, optional
+        GPUs each worker uses (``tfnb worker --gpu``): one value for every worker, or one entry
+        per worker, e.g. ``[0, 1]`` for one worker per GPU; memory grows as used, so workers
+        may share a GPU. Default: each worker sees what TensorFlow finds.
 
     Examples
     --------
@@ -89,18 +111,20 @@ class LocalCluster:
     """
 
     @staticmethod
-    def check_arguments(n_workers, timeout, cpus) -> list[str | None]:
+    def check_arguments(n_workers, timeout, cpus, gpus=None) -> list[str | None]:
         """SpecError naming the first bad argument; the CPU set of each worker otherwise."""
         if isinstance(n_workers, bool) or not isinstance(n_workers, int) \
                 or not 1 <= n_workers <= 64:
             raise SpecError(f"n_workers={n_workers!r}; expected an integer from 1 to 64")
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
             raise SpecError(f"timeout={timeout!r}; expected a number of seconds > 0")
+        _worker_gpus(gpus, n_workers)
         return _worker_cpus(cpus, n_workers)
 
     def __init__(self, n_workers: int = 2, *, timeout: float = 60.0, isolate: bool = False,
-                 host: str = "127.0.0.1", job: str = "worker", cpus=None):
-        self.cpus = self.check_arguments(n_workers, timeout, cpus)
+                 host: str = "127.0.0.1", job: str = "worker", cpus=None, gpus=None):
+        self.cpus = self.check_arguments(n_workers, timeout, cpus, gpus)
+        self.gpus = _worker_gpus(gpus, n_workers)
         self.timeout = float(timeout)
         self.log_dir = Path(tempfile.mkdtemp(prefix="tfnb-local-"))
         self.procs: list[subprocess.Popen] = []
@@ -125,6 +149,8 @@ class LocalCluster:
                "--job", job, "--task", str(task), "--watch-stdin", "--parent-pid", str(os.getpid())]
         if self.cpus[task] is not None:
             cmd += ["--cpus", self.cpus[task]]
+        if self.gpus[task] is not None:
+            cmd += ["--gpu", self.gpus[task]]
         with open(self.log_dir / f"worker-{task}.log", "ab") as log:
             return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                                     env=env, start_new_session=True)

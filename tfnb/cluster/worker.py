@@ -127,6 +127,43 @@ def parse_cpus(text: str) -> set[int]:
     return cpus
 
 
+def parse_gpus(text) -> str:
+    """The ``CUDA_VISIBLE_DEVICES`` value of ``tfnb worker --gpu``: GPU indices such as ``"0"``
+    or ``"0,1"``, or ``"none"`` (``""``: no GPU, the worker runs on its CPU); ValueError naming
+    the text otherwise.
+
+    Examples
+    --------
+    >>> parse_gpus("1"), parse_gpus(" 0, 2 "), parse_gpus("none")
+    ('1', '0,2', '')
+    """
+    text = str(text).strip()
+    if text.lower() == "none":
+        return ""
+    parts = [p.strip() for p in text.split(",")]
+    if not text or not all(p.isdigit() for p in parts):
+        raise ValueError(f"gpu={text!r}: expected GPU indices such as '0' or '0,1' (as "
+                         "nvidia-smi numbers them), or 'none'")
+    return ",".join(str(int(p)) for p in parts)
+
+
+def _use_gpus(tf, asked: str | None) -> str | None:
+    """Let each visible GPU's memory grow as used (so several workers may share one GPU); an
+    error line when GPUs were asked for and TensorFlow sees none."""
+    gpus = tf.config.list_physical_devices("GPU")
+    if asked and not gpus:
+        build = tf.sysconfig.get_build_info()
+        return (f"--gpu {asked}: this TensorFlow sees no GPU (CUDA build "
+                f"{build.get('cuda_version', 'none')}; CUDA_VISIBLE_DEVICES={asked}); install "
+                "tensorflow[and-cuda] and check nvidia-smi, or run without --gpu")
+    for gpu in gpus:
+        try:
+            tf.config.experimental.set_memory_growth(gpu, True)
+        except (ValueError, RuntimeError):  # already initialized: keep TF's default
+            pass
+    return None
+
+
 def _ranges(cpus) -> str:
     out, run = [], []
     for c in sorted(cpus):
@@ -164,15 +201,28 @@ def _load_packed_ops() -> bool:
 
 
 def serve(cluster: str, job: str, task: int, *, profiler_port: int | None = None,
-          watch_stdin: bool = False, cpus: str | None = None, parent_pid: int | None = None) -> int:
+          watch_stdin: bool = False, cpus: str | None = None, parent_pid: int | None = None,
+          gpu: str | None = None) -> int:
     """Run one TF server until a signal (or, with ``watch_stdin``, until stdin closes; with
     ``parent_pid``, until this process is no longer that process's child).
 
     ``cpus`` (e.g. ``"1"`` or ``"0-3"``) pins the worker to those CPUs before TensorFlow starts,
     so TF sizes its thread pools to them: several workers then share one machine without
     competing for cores, or one worker stands in for a slower machine.
+
+    ``gpu`` (``tfnb worker --gpu``: ``"0"``, ``"0,1"`` or ``"none"``) sets the GPUs this
+    worker sees (``CUDA_VISIBLE_DEVICES``) before TensorFlow starts, and lets their memory
+    grow as used, so one worker per GPU (or several on one) run side by side. Without it the
+    worker sees what TensorFlow finds. Packed weights on a GPU take the XLA route
+    (``tfnb.runtime.compact``; docs/gpu.md).
     """
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if gpu is not None:
+        try:
+            os.environ["CUDA_VISIBLE_DEVICES"] = parse_gpus(gpu)
+        except ValueError as e:
+            print(f"tfnb worker: {e}", file=sys.stderr)
+            return 2
     if cpus is not None:
         try:
             os.sched_setaffinity(0, parse_cpus(cpus))
@@ -201,6 +251,10 @@ def serve(cluster: str, job: str, task: int, *, profiler_port: int | None = None
 
     import tensorflow as tf
 
+    problem = _use_gpus(tf, os.environ["CUDA_VISIBLE_DEVICES"] if gpu is not None else None)
+    if problem:
+        print(f"tfnb worker: {problem}", file=sys.stderr)
+        return 2
     packed_ops = _load_packed_ops()
     address = jobs[job][task]
     _, port = split_address(address)
@@ -258,9 +312,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--watch-stdin", action="store_true")
     p.add_argument("--cpus", default=None)
     p.add_argument("--parent-pid", type=int, default=None)
+    p.add_argument("--gpu", default=None)
     a = p.parse_args(argv)
     return serve(a.cluster, a.job, a.task, profiler_port=a.profiler_port, watch_stdin=a.watch_stdin,
-                 cpus=a.cpus, parent_pid=a.parent_pid)
+                 cpus=a.cpus, parent_pid=a.parent_pid, gpu=a.gpu)
 
 
 if __name__ == "__main__":
