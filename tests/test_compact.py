@@ -38,7 +38,7 @@ def test_compact_values_and_products_match_gguf(name, M, C):
     ids = np.array([M - 1, 0, M // 2])
     np.testing.assert_array_equal(compact.gather_rows(w, tf.constant(ids)).numpy(),
                                   values_MxC[ids])
-    for N in (1, 3):  # the fused one-row reduce, and the dequantized dot
+    for N in (1, 3, compact.REDUCE_ROWS + 4):  # the fused reduce (1 row, a few), the dot
         x_NxC = rng.standard_normal((N, C)).astype(np.float32)
         want = x_NxC.astype(np.float64) @ values_MxC.T.astype(np.float64)
         got = tf.function(compact.matmul, jit_compile=True)(tf.constant(x_NxC), w).numpy()
@@ -74,10 +74,12 @@ def test_to_compact_refuses_a_type_it_cannot_hold_exactly():
         compact.to_compact(tf.zeros([1, 144], tf.uint8), kernels.QTYPES["Q4_K"])
 
 
-def test_a_compiled_decode_loop_keeps_the_weights_compact():
-    """Inside a loop compiled whole, the weights' widening stays in the loop body: no float32
-    array of the matrix's size appears in the optimized HLO (XLA's loop-invariant code motion
-    hoists it when nothing ties it to the step's input; ``compact._tied``)."""
+@pytest.mark.parametrize("N", [1, compact.REDUCE_ROWS + 1])
+def test_a_compiled_decode_loop_keeps_the_weights_compact(N):
+    """Inside a loop compiled whole, the weights' widening stays in the loop body: XLA's
+    loop-invariant code motion hoists it when nothing ties it to the step's input
+    (``compact._tied``) and carries a float32 copy of every matrix through the loop. The
+    one-row product makes no float32 matrix at all; the dot of more rows makes one per step."""
     rng = np.random.default_rng(2)
     M, C = 512, 256
     rows, _ = blocks_of(rng, M, C, "Q8_0")
@@ -85,17 +87,20 @@ def test_a_compiled_decode_loop_keeps_the_weights_compact():
     w = w._replace(q=tf.Variable(w.q), d=tf.Variable(w.d))
 
     @tf.function(jit_compile=True)
-    def loop(x_1xC):
+    def loop(x_NxC):
         def step(i, x):
             return i + 1, tf.tanh(compact.matmul(x, w)[:, :C])
-        return tf.while_loop(lambda i, x: i < 8, step, (0, x_1xC))[1]
+        return tf.while_loop(lambda i, x: i < 8, step, (0, x_NxC))[1]
 
-    x = tf.constant(rng.standard_normal((1, C)).astype(np.float32))
+    x = tf.constant(rng.standard_normal((N, C)).astype(np.float32))
     hlo = loop.experimental_get_compiler_ir(x)(stage="optimized_hlo")
     whole = re.compile(rf"f32\[{M},{C // 32},32\]|f32\[{M},{C}\]|f32\[{C},{M}\]")
-    assert whole.search(hlo), "the values are widened somewhere"  # inside a fusion
-    assert not [c for c in materialized(hlo) if whole.search(c)], \
-        "a float32 copy of the matrix is made"
+    assert whole.search(hlo), "the values are widened somewhere"
+    carried = " ".join(re.findall(r"= \(([^)]*)\) while\(", hlo))
+    assert carried and not whole.search(carried), "a float32 matrix is carried through the loop"
+    if N <= compact.REDUCE_ROWS:
+        assert not [c for c in materialized(hlo) if whole.search(c)], \
+            "a float32 copy of the matrix is made"
     assert np.isfinite(loop(x).numpy()).all()
 
 

@@ -258,13 +258,14 @@ class WeightLoader:
 
     def _probe_ops(self, device: str, path: str) -> tuple[int, bytes]:
         from tfnb.runtime.graphs import client_cpu
+        from tfnb.runtime.weights import host_cpu
 
         with tf.device(client_cpu()):  # every input made here (see _read)
             begin, one = tf.constant([0], tf.int64), tf.constant([1], tf.int64)
             length = tf.constant([len(self.header)], tf.int64)
             head = tf.constant([1, len(self.header)], tf.int64)
             method = tf.constant("farmhash64")
-        with tf.device(device):
+        with tf.device(host_cpu(device)):  # a GPU's task reads its file on its CPU
             try:  # one byte more than the client's file: fails, naming the worker's length
                 whole = tf.raw_ops.ImmutableConst(dtype=tf.uint8, shape=[self.size + 1],
                                                   memory_region_name=path)

@@ -53,6 +53,7 @@ from tfnb.runtime.slots import MAX_ROWS
 from tfnb.runtime.tickets import RECENT, SAMPLING_MODES
 from tfnb.runtime.weights import (
     check_weights,
+    host_cpu,
     kv_caches,
     packed_routes,
     param_variables,
@@ -282,7 +283,7 @@ class PlacedModel:
             kind, nbytes = value.qtype_name, value.nbytes
             value, error = compact.requantized(value)
             self._requantized.append((device, kind, value.nbytes - nbytes, error))
-        blocks = put(device, value, name)
+        blocks = put(host_cpu(device), value, name)  # a GPU's blocks stay on its task's CPU
         return compact.compact_on(device, blocks.data, value.qtype, value.cols, name)
 
     def _warn_requantized(self) -> None:

@@ -32,7 +32,7 @@ from tfnb.runtime import forward as L
 from tfnb.runtime.graphs import client_cpu
 
 __all__ = ["variable_on", "segment_params", "segment_weights", "kv_caches", "check_weights",
-           "param_variables", "packed_routes", "check_route", "ROUTES", "device_type",
+           "param_variables", "packed_routes", "check_route", "ROUTES", "device_type", "host_cpu",
            "with_activations"]
 
 
@@ -182,6 +182,24 @@ def device_type(device: str) -> str:
     m = re.search(r"/(?:device:)?([A-Za-z_]+):\d+$", device)
     kind = m.group(1).upper() if m else "CPU"
     return "CPU" if kind in ("TASK", "REPLICA") else kind
+
+
+def host_cpu(device: str) -> str:
+    """The CPU of ``device``'s task: where a GPU's weights are read and rewritten before they
+    are copied to it (TF has CPU kernels for every op of that, not always GPU ones); a CPU
+    device itself.
+
+    Examples
+    --------
+    >>> host_cpu("/job:worker/replica:0/task:1/device:GPU:0")
+    '/job:worker/replica:0/task:1/device:CPU:0'
+    >>> host_cpu("/device:CPU:1")
+    '/device:CPU:1'
+    """
+    if device_type(device) == "CPU":
+        return device
+    task = re.split(r"/(?:device:)?[A-Za-z_]+:\d+$", device)[0]
+    return f"{task}/device:CPU:0"
 
 
 def check_route(route) -> None:
