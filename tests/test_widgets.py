@@ -168,6 +168,9 @@ def test_apply_places_the_tiny_llama(cluster):
     assert placed is not None, editor.error
     assert placed is editor.placed and placed.plan == editor.plan and "\n" not in editor.status
     assert placed.assignment == editor.assignment
+    # the status says how each device multiplies (a float32 model: float32 everywhere)
+    assert editor.status.endswith("weights: worker:0/CPU:0 float32, worker:1/CPU:0 float32"), \
+        editor.status
     editor.set_device("block.1", cluster.devices[1])
     moved = editor.apply()                                 # previous=placed goes to tfnb.place
     assert moved is editor.placed and moved.assignment["block.1"] == cluster.devices[1], \
