@@ -42,7 +42,13 @@ from tfnb.models.decoder import random_weights
 from tfnb.models.packed import PackedTensor, packed_like
 from tfnb.runtime.faults import call_with_deadline
 from tfnb.runtime.graphs import HeadIn, client_cpu, pack_ctl, pack_prefill_ctl, segment_functions
-from tfnb.runtime.weights import kv_caches, segment_params
+from tfnb.runtime.weights import (
+    compact_weight,
+    kv_caches,
+    packed_routes,
+    segment_params,
+    variable_on,
+)
 
 __all__ = ["time_stages", "stage_timer", "CALIBRATION_TIMEOUT_S"]
 
@@ -50,11 +56,14 @@ CALIBRATION_TIMEOUT_S = 600.0  # the longest a calibration may take (it compiles
 
 
 def _loops(small, weights, device: str, batch: int, slots: int, prompt: int = 0,
-           pad: int = 0, attend: int | None = None) -> dict:
+           pad: int = 0, attend: int | None = None, route: str = "kernel") -> dict:
     """``{kind: loop}`` for the embedding, ``small``'s blocks and the head, on ``device``
-    (their decode steps, or with ``prompt`` their prefills of that many tokens)."""
+    (their decode steps, or with ``prompt`` their prefills of that many tokens), its packed
+    matrices on ``route`` (``weights.packed_routes``)."""
     names = stage_names(small.n_layers)
-    whole = segment_params(small, weights, Segment(device, tuple(names)), head_device=device)
+    put = (lambda d, v, n: compact_weight(variable_on, d, v, n)) if route == "xla" else None
+    whole = segment_params(small, weights, Segment(device, tuple(names)), head_device=device,
+                           put=put)
     blocks = Segment(device, tuple(names[1:-1]))
     caches = kv_caches(blocks, [batch, small.n_kv_heads, slots, small.head_dim])
     eos = small.eos_ids or (0,)
@@ -154,13 +163,15 @@ def stage_timer(config, devices, *, batch: int = 1, slots: int = 128,
     k = max(1, min(config.n_layers, math.ceil(stream_bytes / block_bytes)))
     small = dataclasses.replace(config, n_layers=k)
     weights = random_weights(small, seed)  # the time does not depend on the values
+    routes = {}
     if packed:
         weights = packed_like(weights, like)
+        routes = packed_routes(devices)  # timed as placing would run them
     # bounded like every call on the cluster: a silent worker fails calibration in seconds
     loops = call_with_deadline(
         lambda: {(dev, kind): loop for dev in devices
                  for kind, loop in _loops(small, weights, dev, batch, slots, prompt, pad,
-                                          attend).items()},
+                                          attend, routes.get(dev, "kernel")).items()},
         (), timeout=CALIBRATION_TIMEOUT_S, devices=devices, what="calibration (weights)")
 
     def timer(steps: int = 32, repeats: int = 9) -> dict:

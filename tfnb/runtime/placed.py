@@ -32,10 +32,8 @@ import tensorflow as tf
 from tfnb import kernels
 from tfnb.errors import GenerateError, GenerateStalled, PlacementError, WorkerLostError
 from tfnb.models.chain import segments, stage_names
-from tfnb.models.packed import PackedStack, PackedTensor
+from tfnb.models.packed import PackedTensor
 from tfnb.names import format_bytes, short_device
-from tfnb.runtime import compact
-from tfnb.runtime import forward as L
 from tfnb.runtime.devices import resolve_assignment
 from tfnb.runtime.faults import call_with_deadline
 from tfnb.runtime.fileload import WeightLoader
@@ -53,7 +51,7 @@ from tfnb.runtime.slots import MAX_ROWS
 from tfnb.runtime.tickets import RECENT, SAMPLING_MODES
 from tfnb.runtime.weights import (
     check_weights,
-    host_cpu,
+    compact_weight,
     kv_caches,
     packed_routes,
     param_variables,
@@ -251,7 +249,7 @@ class PlacedModel:
 
         def routed(device, value, name):  # each packed matrix multiplies on its device's route
             if self.routes[device] == "xla":
-                return self._compact(put, device, value, name)
+                return compact_weight(put, device, value, name, self._requantized)
             return with_activations(put(device, value, name), self.activations)
 
         def run(device):
@@ -270,21 +268,6 @@ class PlacedModel:
         if errors:
             raise errors[0]
         return [made[i] for i in range(len(self.segments))]
-
-    def _compact(self, put, device: str, value, name: str):
-        """``value`` on ``device`` for the XLA route: a packed matrix as a ``compact.Compact``
-        (its blocks placed as the kernel route's, then rewritten there), the rest as is."""
-        if isinstance(value, PackedStack):
-            return L.Stacked(tuple(self._compact(put, device, p, f"{name}.{i}")
-                                   for i, p in enumerate(value.parts)))
-        if not isinstance(value, PackedTensor):
-            return put(device, value, name)
-        if value.qtype not in compact.EXACT:
-            kind, nbytes = value.qtype_name, value.nbytes
-            value, error = compact.requantized(value)
-            self._requantized.append((device, kind, value.nbytes - nbytes, error))
-        blocks = put(host_cpu(device), value, name)  # a GPU's blocks stay on its task's CPU
-        return compact.compact_on(device, blocks.data, value.qtype, value.cols, name)
 
     def _warn_requantized(self) -> None:
         """One warning for the matrices the XLA route held as Q8_0 instead of their type."""

@@ -33,6 +33,7 @@ from tfnb.runtime.graphs import client_cpu
 
 __all__ = ["variable_on", "segment_params", "segment_weights", "kv_caches", "check_weights",
            "param_variables", "packed_routes", "check_route", "ROUTES", "device_type", "host_cpu",
+           "compact_weight",
            "with_activations"]
 
 
@@ -92,6 +93,26 @@ def segment_params(config, weights, seg: Segment, *, head_device: str, shared: d
         if not tied:
             params["out_DxV"] = put(seg.device, weights["lm_head"], "lm_head")
     return params
+
+
+def compact_weight(put, device: str, value, name: str, requantized: list | None = None):
+    """``value`` on ``device`` for the XLA route: a packed matrix as a ``compact.Compact`` (its
+    blocks made by ``put`` on the device's task CPU, then rewritten there and copied to the
+    device), a ``PackedStack`` as a ``Stacked`` of those, anything else as ``put`` makes it. A
+    type the route cannot hold exactly is requantized to Q8_0 first; ``requantized`` (a list)
+    then gets ``(device, type, bytes added, largest relative error)``."""
+    if isinstance(value, PackedStack):
+        return L.Stacked(tuple(compact_weight(put, device, p, f"{name}.{i}", requantized)
+                               for i, p in enumerate(value.parts)))
+    if not isinstance(value, PackedTensor):
+        return put(device, value, name)
+    if value.qtype not in compact.EXACT:
+        kind, nbytes = value.qtype_name, value.nbytes
+        value, error = compact.requantized(value)
+        if requantized is not None:
+            requantized.append((device, kind, value.nbytes - nbytes, error))
+    blocks = put(host_cpu(device), value, name)  # a GPU's blocks stay on its task's CPU
+    return compact.compact_on(device, blocks.data, value.qtype, value.cols, name)
 
 
 def with_activations(w, activations: str):
