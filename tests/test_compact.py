@@ -38,7 +38,8 @@ def test_compact_values_and_products_match_gguf(name, M, C):
     ids = np.array([M - 1, 0, M // 2])
     np.testing.assert_array_equal(compact.gather_rows(w, tf.constant(ids)).numpy(),
                                   values_MxC[ids])
-    for N in (1, 3, compact.REDUCE_ROWS + 4):  # the fused reduce (1 row, a few), the dot
+    R = compact.REDUCE_ROWS
+    for N in (1, R, R + 1, R + 7):  # the fused reduce (its rows), the dequantized dot
         x_NxC = rng.standard_normal((N, C)).astype(np.float32)
         want = x_NxC.astype(np.float64) @ values_MxC.T.astype(np.float64)
         got = tf.function(compact.matmul, jit_compile=True)(tf.constant(x_NxC), w).numpy()
@@ -75,16 +76,17 @@ def test_to_compact_refuses_a_type_it_cannot_hold_exactly():
 
 
 @pytest.mark.parametrize("N", [1, compact.REDUCE_ROWS + 1])
-def test_a_compiled_decode_loop_keeps_the_weights_compact(N):
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_1", "F16"])
+def test_a_compiled_decode_loop_keeps_the_weights_compact(name, N):
     """Inside a loop compiled whole, the weights' widening stays in the loop body: XLA's
     loop-invariant code motion hoists it when nothing ties it to the step's input
     (``compact._tied``) and carries a float32 copy of every matrix through the loop. The
     one-row product makes no float32 matrix at all; the dot of more rows makes one per step."""
     rng = np.random.default_rng(2)
     M, C = 512, 256
-    rows, _ = blocks_of(rng, M, C, "Q8_0")
-    w = compact.to_compact(tf.constant(rows), kernels.QTYPES["Q8_0"])
-    w = w._replace(q=tf.Variable(w.q), d=tf.Variable(w.d))
+    rows, _ = blocks_of(rng, M, C, name)
+    w = compact.to_compact(tf.constant(rows), kernels.QTYPES[name])
+    w = w._replace(**{k: tf.Variable(getattr(w, k)) for k in "qdm" if getattr(w, k) is not None})
 
     @tf.function(jit_compile=True)
     def loop(x_NxC):

@@ -57,6 +57,8 @@ def test_route_choices_are_checked_and_reported(local_workers):
         tfnb.place(model, cluster.devices, cluster, route="fast")
     with pytest.raises(PlacementError, match=r"route='gpu'"):
         tfnb.place(model, cluster.devices, cluster, route={"worker:1": "gpu"})
+    with pytest.raises(PlacementError, match=r"route key 'worker:7' names no worker.*'worker:1'"):
+        tfnb.place(model, cluster.devices, cluster, route={"worker:7": "xla"})
     kernel = tfnb.place(model, cluster.devices, cluster)
     assert set(kernel.stage_routes.values()) == {"kernel"}
     mixed = tfnb.place(model, cluster.devices, cluster, route={"worker:1": "xla"})

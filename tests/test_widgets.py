@@ -220,13 +220,16 @@ def test_json_export_and_load_round_trip_and_refusals(cluster, keras_model, tmp_
 
 def test_tfplace_magic(ipython, cluster, capsys, monkeypatch):
     ipython.user_ns["m"] = tiny("llama")
-    res = ipython.run_cell("%tfplace m --objective throughput -o ed", store_history=False)
+    res = ipython.run_cell("%tfplace m --objective throughput --route xla -o ed",
+                           store_history=False)
     editor = res.result
     assert res.error_in_exec is None and isinstance(editor, PlacementEditor)
     assert ipython.user_ns["ed"] is editor and editor.objective == "throughput"
+    assert editor.route == "xla"  # what Apply hands tfnb.place
     assert editor.plan == make_plan(editor.model, cluster, objective="throughput")
     capsys.readouterr()
     for line, word in [("%tfplace nosuchvar", "nosuchvar"), ("%tfplace m --mode sideways", "mode"),
+                       ("%tfplace m --route fast", "route"),
                        ("%tfplace m.chain", "not a variable name"), ("%tfplace", "model")]:
         res = ipython.run_cell(line, store_history=False)
         out = capsys.readouterr()

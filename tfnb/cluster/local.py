@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import numbers
 import os
 import shutil
 import socket
@@ -66,7 +67,8 @@ def _worker_gpus(gpus, n: int) -> list[str | None]:
     (an index, ``"0,1"`` or ``"none"``), or a list with one entry (or None) per worker."""
     from tfnb.cluster.worker import parse_gpus
 
-    per = [gpus] * n if gpus is None or isinstance(gpus, (str, int)) else list(gpus)
+    per = [gpus] * n if gpus is None or isinstance(gpus, (str, numbers.Integral)) \
+        else list(gpus)
     if len(per) != n:
         raise SpecError(f"gpus={gpus!r} has {len(per)} entries for {n} workers: expected one "
                         "value such as 0 for all, or one entry per worker, e.g. [0, 1]")

@@ -141,7 +141,7 @@ def parse_gpus(text) -> str:
     if text.lower() == "none":
         return ""
     parts = [p.strip() for p in text.split(",")]
-    if not text or not all(p.isdigit() for p in parts):
+    if not text or not all(re.fullmatch(r"[0-9]+", p) for p in parts):
         raise ValueError(f"gpu={text!r}: expected GPU indices such as '0' or '0,1' (as "
                          "nvidia-smi numbers them), or 'none'")
     return ",".join(str(int(p)) for p in parts)
@@ -218,6 +218,8 @@ def serve(cluster: str, job: str, task: int, *, profiler_port: int | None = None
     """
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if gpu is not None:
+        # nvidia-smi's numbering (CUDA's own puts the fastest GPU first)
+        os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
         try:
             os.environ["CUDA_VISIBLE_DEVICES"] = parse_gpus(gpu)
         except ValueError as e:

@@ -188,6 +188,8 @@ def parse_tfplace(line: str) -> tuple[str, dict, str | None]:
     kw = {"mode": args.mode, "objective": args.objective}
     if args.planner is not None:
         kw["planner"] = args.planner
+    if args.route is not None:
+        kw["route"] = args.route
     return args.model, kw, args.output
 
 
@@ -289,6 +291,9 @@ class TfnbMagics(Magics):
               help="the planner of auto mode (default optimal)")
     @argument("--objective", choices=OBJECTIVES, default="latency",
               help="what the planner minimises (default latency)")
+    @argument("--route", choices=("auto", "kernel", "xla"), default=None,
+              help="how packed matrices multiply: tfnb's kernel, plain XLA ops, or auto "
+                   "(default: the kernel where a CPU device has it)")
     @argument("-o", "--output", default=None, help="store the editor in this variable")
     @line_magic
     def tfplace(self, line: str = ""):

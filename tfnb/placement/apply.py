@@ -86,11 +86,11 @@ def place(model, plan=None, cluster=None, *, timeout: float | None = 60.0, previ
         from tfnb.runtime.placed import check_activations  # imports TensorFlow
 
         check_activations(activations)
+    cluster = cluster if cluster is not None else current(required=False)
     if route is not None:
         from tfnb.runtime.weights import check_route  # imports TensorFlow
 
-        check_route(route)
-    cluster = cluster if cluster is not None else current(required=False)
+        check_route(route, cluster.devices if cluster is not None else None)
     if plan is None:
         if cluster is None:
             raise PlacementError("place() needs a plan or a connected cluster to plan for; "

@@ -80,7 +80,7 @@ class Event(NamedTuple):
 
 # Name scopes tfnb's runtime math runs under (tfnb/runtime/forward.py) and the op kind each one is.
 SCOPE_KINDS = {"attention": "attention", "norm": "norm", "rope": "rope", "kv_cache": "copies",
-               "sampling": "sampling"}
+               "sampling": "sampling", "matmul": "matmul"}  # matmul: the XLA route's fusions
 COMPILED_KINDS = ("matmul", "attention", "norm", "rope", "sampling", "copies", "other")
 _STAGE = re.compile(r"^(embed|head|block\.\d+)$")
 _COPY_OPCODES = frozenset({"copy", "transpose", "dynamic-update-slice", "dynamic-slice", "gather",

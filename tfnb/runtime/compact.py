@@ -47,6 +47,7 @@ __all__ = ["Compact", "EXACT", "FORMS", "requantized", "to_compact", "compact_on
 # The ggml types held as they are on the XLA route: their values are the file's, exactly.
 EXACT = tuple(QTYPES[t] for t in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0"))
 FORMS = ("q8", "q4", "float")
+_REQUANTIZE_ROWS = 4096  # rows requantized at once: a 128k-token embedding in 32 steps
 _FLOATS = {QTYPES["F32"]: tf.float32, QTYPES["F16"]: tf.float16, QTYPES["BF16"]: tf.bfloat16}
 
 
@@ -70,12 +71,17 @@ def requantized(p):
     and the largest error that costs relative to the row's largest value."""
     from tfnb.models.packed import PackedTensor, quantize_rows
 
-    values = p.rows_float32()
-    q8 = PackedTensor(quantize_rows(values, QTYPES["Q8_0"]), QTYPES["Q8_0"], p.cols,
-                      p.transposed)
-    back = q8.rows_float32()
-    scale = np.maximum(np.abs(values).max(axis=1, keepdims=True), 1e-30)
-    return q8, float((np.abs(back - values) / scale).max())
+    if p.parts is not None and len(p.parts) > 1:  # fused from several tensors: read them once
+        p = PackedTensor(p.data, p.qtype, p.cols, p.transposed)
+    blocks, error = [], 0.0
+    for start in range(0, p.rows, _REQUANTIZE_ROWS):  # a chunk of rows in float32 at a time
+        values = p.row_range(start, min(p.rows, start + _REQUANTIZE_ROWS)).rows_float32()
+        q8 = quantize_rows(values, QTYPES["Q8_0"])
+        back = PackedTensor(q8, QTYPES["Q8_0"], p.cols, transposed=False).rows_float32()
+        scale = np.maximum(np.abs(values).max(axis=1, keepdims=True), 1e-30)
+        error = max(error, float((np.abs(back - values) / scale).max()))
+        blocks.append(q8)
+    return PackedTensor(np.concatenate(blocks), QTYPES["Q8_0"], p.cols, p.transposed), error
 
 
 def to_compact(rows, qtype: int, cols: int | None = None) -> Compact:
@@ -194,15 +200,21 @@ REDUCE_ROWS = 2
 
 def matmul(x_NxC, w: Compact):
     """``x @ w`` (N, out). Up to :data:`REDUCE_ROWS` rows: a fused multiply-reduce over the
-    blocks (no float matrix is made); more: the matrix dequantized once, then XLA's dot."""
-    if w.form == "float":  # XLA fuses the cast into its matrix-vector dot
-        return tf.matmul(x_NxC, tf.cast(w.q, tf.float32), transpose_b=True)
+    blocks (no float matrix is made); more: the matrix dequantized once, then XLA's dot. Its
+    ops carry the name scope ``matmul``, by which the profiler tells them."""
+    with tf.name_scope("matmul"):
+        return _matmul(x_NxC, w)
+
+
+def _matmul(x_NxC, w: Compact):
     N = x_NxC.shape[0]
     # Tied to the input by a barrier: inside a decode loop compiled whole, XLA's loop-invariant
     # code motion would otherwise hoist each matrix's widening out of the loop and carry float32
     # copies of every weight through it (seen in the optimized HLO of SmolLM2's decode loop:
     # f32[49152,18,32] among the loop state; at one row 2x slower than the float32 path)
     x_NxC, q, d, m = _tied(x_NxC, w.q, w.d, w.m)
+    if w.form == "float":  # XLA fuses the cast into its matrix-vector dot
+        return tf.matmul(x_NxC, tf.cast(q, tf.float32), transpose_b=True)
     if N > REDUCE_ROWS:  # the matrix is made for this call only
         return tf.matmul(x_NxC, _dequantized(w, q, d, m), transpose_b=True)
     nb = w.cols // 32

@@ -398,7 +398,7 @@ def block_decode(x_Bx1xD, p: BlockParams, cache_k, cache_v, pad_B, slot, cfg, wi
     _write_cache(cache_v, v_BxKx1xE, slot)
     B, S = x_Bx1xD.shape[0], window or cache_k.shape[2]
     if is_packed(p.wqkv) and not cfg.attn_softcap:
-        # tfnb's ops are on this device (tfnb.runtime.weights.check_packed_ops): attention
+        # tfnb's ops are on this device (its route is the kernel: weights.packed_routes): attention
         # reads the caches in place instead of gathering the window (tfnb/kernels/attention.cc;
         # docs/runtime.md); float32 models keep the plain TF ops below. The op scales by
         # E ** -0.5 and reads slots pad..slot: another scale is folded into q, and a sliding

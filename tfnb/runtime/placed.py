@@ -192,6 +192,7 @@ class PlacedModel:
                  activations: str | None = None, route=None):
         self.activations = check_activations(activations)
         self.route = route
+        self.routes: dict[str, str] = {}  # device -> "kernel", "xla" or "float32", set below
         self.config, self.tokenizer, self.timeout, self.name = config, tokenizer, timeout, name
         self.plan = plan
         self._weights = weights  # the client's copy (not duplicated), for replace()
@@ -281,7 +282,7 @@ class PlacedModel:
             f"route 'xla' holds {len(self._requantized)} {'/'.join(kinds)} matrices as Q8_0 on "
             f"{', '.join(where)} (+{format_bytes(grown)}; largest error "
             f"{100 * error:.2f}% of a row's largest value); the kernel route keeps them as "
-            "they are", stacklevel=4)
+            "they are", stacklevel=5)
 
     def replace(self, assignment) -> PlacedModel:
         """A new placement of the same model; blocks whose device is unchanged keep their

@@ -223,22 +223,37 @@ def host_cpu(device: str) -> str:
     return f"{task}/device:CPU:0"
 
 
-def check_route(route) -> None:
+def check_route(route, devices=None) -> None:
     """PlacementError for a ``route=`` that is not one of :data:`ROUTES` or a dict of worker or
-    device -> one of them."""
-    asked = route.values() if isinstance(route, dict) else [route]
-    for r in asked:
+    device -> one of them; with ``devices`` (the cluster's), also for a key naming none of
+    them."""
+    asked = route.items() if isinstance(route, dict) else [(None, route)]
+    for key, r in asked:
         if r is not None and r not in ROUTES:
-            raise PlacementError(f"route={r!r}: expected one of {list(ROUTES)} (or a dict such "
-                                 "as {'worker:1': 'xla'})")
+            where = "" if key is None else f" for {key!r}"
+            raise PlacementError(f"route={r!r}{where}: expected one of {list(ROUTES)} (or a dict "
+                                 "such as {'worker:1': 'xla'})")
+    if isinstance(route, dict) and devices is not None:
+        for key in route:
+            if not any(_asked_route({key: "xla"}, d) == "xla" for d in devices):
+                known = list(dict.fromkeys(short_device(d).split("/")[0] for d in devices))
+                raise PlacementError(f"route key {key!r} names no worker or device of the "
+                                     f"cluster: expected one of {known} or a device name")
 
 
 def _asked_route(route, device: str) -> str:
+    """What ``route`` asks for ``device``: a key naming the device itself (full or short name)
+    before one naming its worker (``"worker:1"``, or the task's name)."""
     if not isinstance(route, dict):
         return route or "auto"
+    from tfnb.runtime.fileload import worker_of
+
     short = short_device(device)
     for key, r in route.items():
-        if str(key) in (device, short, short.split("/")[0]):
+        if str(key) in (device, short):
+            return r or "auto"
+    for key, r in route.items():
+        if worker_of(key) == short.split("/")[0]:
             return r or "auto"
     return "auto"
 
@@ -269,6 +284,7 @@ def packed_routes(devices, route=None, timeout: float | None = 60.0) -> dict[str
         if any(asked[d] == "kernel" for d in probing):
             raise PlacementError(f"route 'kernel' needs tfnb's ops, which did not build here: "
                                  f"{e}; use route='xla'") from None
+        _slower(probing, f"tfnb's ops did not build in this process ({str(e)[:120]})")
         probing = []
     with tf.device(client_cpu()):
         one_row = tf.zeros([1, 4], tf.uint8)
@@ -291,4 +307,16 @@ def packed_routes(devices, route=None, timeout: float | None = 60.0) -> dict[str
                     f"device {device} cannot run tfnb's packed-weight op {kernels.OP_NAMES[1]} "
                     "(its process did not load tfnb's kernels): start that worker with "
                     "`tfnb worker`, or place with route='xla' (or 'auto')") from None
+            _slower([device], "its process has not loaded tfnb's ops (a plain "
+                              "tf.distribute.Server?)")
     return routes
+
+
+def _slower(devices, why: str) -> None:
+    """One warning: CPU ``devices`` that ``route="auto"`` gives the XLA route."""
+    import warnings
+
+    names = ", ".join(short_device(d) for d in devices)
+    warnings.warn(f"{names}: {why}; packed matrices there take the XLA route, slower than "
+                  "tfnb's kernel (docs/gpu.md); place with route='xla' to choose it and silence "
+                  "this", UserWarning, stacklevel=6)

@@ -133,6 +133,9 @@ class PlacementEditor(W.VBox):
         ``{device: bytes or "512MB"}`` replacing the measured memory caps.
     mode, planner, objective, batch, context_len
         Initial values of the traits of the same names.
+    route : {"auto", "kernel", "xla"}, optional
+        How Apply places packed matrices (``tfnb.place``'s ``route``); the status line then
+        names each device's route.
 
     Examples
     --------
@@ -174,11 +177,15 @@ class PlacementEditor(W.VBox):
     topology = Instance(Topology, read_only=True, help="devices, memory caps, speeds and links")
 
     def __init__(self, model, cluster=None, *, max_memory=None, mode=AUTO, planner="optimal",
-                 objective="latency", batch=1, context_len=None, **kwargs):
+                 objective="latency", batch=1, context_len=None, route=None, **kwargs):
         chain = getattr(model, "chain", None)
         if not (hasattr(chain, "names") and hasattr(chain, "kv_bytes")):
             raise PlacementError(f"model={model!r:.60}: expected a tfnb model (from "
                                  "tfnb.load_model or tfnb.models.tiny) with a .chain")
+        if route not in (None, "auto", "kernel", "xla"):
+            raise PlacementError(f"route={route!r}: expected 'auto', 'kernel' or 'xla' (how "
+                                 "packed matrices multiply, tfnb.place's route)")
+        self.route = route
         if cluster is None:
             cluster = current()
         topology = as_topology(cluster, model, batch, context_len).with_max_memory(max_memory)
@@ -379,7 +386,7 @@ class PlacementEditor(W.VBox):
         self.set_trait("busy", True)
         start = time.perf_counter()
         try:
-            placed = place(self.model, plan, self.cluster, previous=previous)
+            placed = place(self.model, plan, self.cluster, previous=previous, route=self.route)
         except Exception as e:  # noqa: BLE001 - shown in the widget as one line, never a traceback
             self.report(error=f"Apply failed: {one_line(e)}")
             return None
