@@ -2,7 +2,8 @@
 
 tfnb's packed-weight kernel (:mod:`tfnb.kernels`) is CPU code in a library that ``tfnb worker``
 loads. A device without it (a plain ``tf.distribute.Server``, a GPU) holds each packed matrix as
-a :class:`Compact` instead, in the same bytes as the file's blocks, with no custom op:
+a :class:`Compact` instead, in the bytes of the file's blocks (Q5_0's widened), with no custom
+op:
 
 - ``"q8"``: int8 values ``(out, cols)`` and one float16 scale per block of 32 (Q8_0; Q5_0 is
   widened to it value for value);
@@ -17,8 +18,7 @@ The blocks reach the device as the kernel route's uint8 rows (read from the work
 sent), and :func:`to_compact` rewrites them there in TF ops. A product of one or two rows (a
 decode step of one or two sequences) runs as one XLA loop fusion that reads each weight byte once
 and makes no float copy of the matrix; more rows (a batch, a prompt) dequantize the matrix once
-per call and use XLA's dot. Norms,
-softmax, rotary and logits stay float32.
+per call and use XLA's dot. Norms, softmax, rotary and logits stay float32.
 
 Examples
 --------
