@@ -894,7 +894,10 @@ def test_a_worker_without_the_packed_ops_takes_the_xla_route(tiny_gguf):
         placed = tfnb.place(model, [cluster.devices[0]], cluster)
         assert set(placed.stage_routes.values()) == {"xla"} and "xla" in repr(placed)
         assert len(placed.generate_ids(PROMPTS[0], max_new_tokens=2)) == 2
-        # planning times the stages there as they will run: on the XLA route
+        # planning times the stages there as they will run: on the XLA route, or on the route
+        # the plan is made for
+        with pytest.raises(PlacementError, match="TfnbPackedDequantize"):
+            tfnb.plan(model, cluster, route="kernel")
         planned = tfnb.place(model, tfnb.plan(model, cluster), cluster)
         assert planned.generate_ids(PROMPTS[0], max_new_tokens=2) == \
             placed.generate_ids(PROMPTS[0], max_new_tokens=2)

@@ -97,7 +97,7 @@ def place(model, plan=None, cluster=None, *, timeout: float | None = 60.0, previ
                                  "run %tfcluster local 2 or pass a list of devices")
         from tfnb.placement.planners import plan as make_plan
 
-        plan = make_plan(model, cluster)
+        plan = make_plan(model, cluster, route=route)
     if files is not None and files is not False:
         from tfnb.runtime.fileload import check_files  # imports TensorFlow
 

@@ -288,14 +288,15 @@ def _cluster_key(cluster, devices) -> tuple:
 
 def calibrate(model, cluster, topology: Topology | None = None, *, batch: int = 1,
               context_len: int = 1024, prompt_len: int = 0, attend: int | None = None,
-              refresh: bool = False) -> dict:
+              refresh: bool = False, route=None) -> dict:
     """``{(stage, device): seconds per decode step}`` for every stage of ``model`` on every
     device of ``cluster``, timed on each device; devices of one class whose times are alike
     (within ``ALIKE``) share the mean of their figures (cached per cluster, model, batch, cache
     size and prompt). Each decode step attends ``attend`` slots (default: the whole
     ``context_len``). With ``prompt_len``: seconds per prefill of ``batch`` prompts of that many
     tokens instead (a few calls each: a prefill is about as long as a decode loop), padded as
-    the runtime pads them.
+    the runtime pads them. A packed model's stages run on the matmul ``route`` that placing
+    with it gives each device (``tfnb.place``'s ``route``; None: auto).
 
     Examples
     --------
@@ -306,16 +307,18 @@ def calibrate(model, cluster, topology: Topology | None = None, *, batch: int = 
     topology = topology or measure_topology(cluster)
     load = _timed_load(model, batch, context_len, prompt_len, attend)
     key = ("stages", _cluster_key(cluster, topology.devices), getattr(model, "name", None),
-           repr(model.config), _kinds(model), batch, *load)
+           repr(model.config), _kinds(model), batch, *load,
+           repr(route) if set(_kinds(model)) - {-1} else None)  # a float model has no route
     if refresh or key not in _CACHE:
         _CACHE[key] = calibration_timer(model, cluster, topology, batch=batch,
                                         context_len=context_len, prompt_len=prompt_len,
-                                        attend=attend)()
+                                        attend=attend, route=route)()
     return _CACHE[key]
 
 
 def calibration_timer(model, cluster, topology: Topology | None = None, *, batch: int = 1,
-                      context_len: int = 1024, prompt_len: int = 0, attend: int | None = None):
+                      context_len: int = 1024, prompt_len: int = 0, attend: int | None = None,
+                      route=None):
     """``timer(repeats=None)``: what :func:`calibrate` returns, timed anew at every call (not
     cached), its loops built and compiled on the devices once. A benchmark times the stages
     between its own rounds with it, so its prediction and its measurement see the machine in
@@ -327,7 +330,7 @@ def calibration_timer(model, cluster, topology: Topology | None = None, *, batch
     slots, padded, pad, attend = _timed_load(model, batch, context_len, prompt_len, attend)
     timer = stage_timer(model.config, topology.devices, batch=batch, slots=slots,
                         like=getattr(model, "weights", None), prompt=padded, pad=pad,
-                        attend=attend)
+                        attend=attend, route=route)
     calls = {"steps": 3, "repeats": 5} if prompt_len else {}
 
     def timed(repeats: int | None = None) -> dict:

@@ -67,7 +67,7 @@ def _chain(model_or_chain):
 
 def as_topology(cluster_or_topology, model=None, batch: int = 1,
                 context_len: int | None = None, prompt_len: int = 0,
-                devices=None, new_tokens: int = 0) -> Topology:
+                devices=None, new_tokens: int = 0, route=None) -> Topology:
     """A ``Topology`` from a Topology, a connected ``Cluster`` (measured, cached) or devices.
 
     With a cluster and a placeable llama ``model`` (``tfnb.load_model``, ``tiny("llama")``), the
@@ -76,7 +76,8 @@ def as_topology(cluster_or_topology, model=None, batch: int = 1,
     estimate, and with ``prompt_len`` the times of one prompt's prefill. With ``new_tokens``
     too the decode steps are timed over the caches such requests reach
     (:func:`attended_context`), not the whole ``context_len``, each step reading what such a
-    request reads on average (:func:`mean_attended`). A list of device
+    request reads on average (:func:`mean_attended`); a packed model's stages are timed on the
+    matmul ``route`` placing will give them (``tfnb.place``'s). A list of device
     strings gives a topology with unlimited memory, equal speeds and equal links (placement then
     only balances the chain). ``devices`` (with a cluster) measures those of its devices only.
 
@@ -97,7 +98,8 @@ def as_topology(cluster_or_topology, model=None, batch: int = 1,
     if is_cluster:
         topo = measure.measure_topology(cluster_or_topology, devices)
         if _placeable(model):
-            topo = _with_times(topo, [measure.calibrate(model, cluster_or_topology, topo, **load)
+            topo = _with_times(topo, [measure.calibrate(model, cluster_or_topology, topo,
+                                                        route=route, **load)
                                       for load in _loads(batch, context_len, prompt_len,
                                                          new_tokens)])
         return topo
@@ -487,7 +489,7 @@ def optimal_assignment(chain, topo: Topology, batch: int = 1, context_len: int =
 def plan(model_or_chain, cluster_or_topology, mode: str = "optimal", objective: str = "latency",
          batch: int = 1, context_len: int | None = None, max_memory: dict | None = None,
          calibrate: bool = True, prompt_len: int = 0, new_tokens: int = 0,
-         devices=None) -> Plan:
+         devices=None, route=None) -> Plan:
     """Choose devices for every stage of a model and predict what it costs.
 
     Parameters
@@ -510,6 +512,8 @@ def plan(model_or_chain, cluster_or_topology, mode: str = "optimal", objective: 
         calibrating) beside its ``new_tokens`` decode steps, timed attending the requests'
         own tokens (:func:`attended_context`); the stages are still chosen by the decode step
     devices : with a cluster, plan on these of its devices only (default: all of them)
+    route : the ``route`` the plan will be placed with (``tfnb.place``'s; default auto): a
+        packed model's stages are timed on it
 
     Examples
     --------
@@ -534,8 +538,8 @@ def plan(model_or_chain, cluster_or_topology, mode: str = "optimal", objective: 
         groups = replica_groups(chain, bare, batch, context_len)
         share = math.ceil(batch / len(groups))
     topo = as_topology(cluster_or_topology, model_or_chain if calibrate else None, share,
-                       context_len, prompt_len, devices,
-                       new_tokens).with_max_memory(max_memory)
+                       context_len, prompt_len, devices, new_tokens,
+                       route).with_max_memory(max_memory)
     start = time.perf_counter()
     replicas = ()
     if mode == "replicate":

@@ -152,12 +152,13 @@ def timed_loop(fn, device: str, kind: str, config, batch: int, prompt: int = 0, 
 
 def stage_timer(config, devices, *, batch: int = 1, slots: int = 128,
                 stream_bytes: float = 128e6, seed: int = 0, like: dict | None = None,
-                prompt: int = 0, pad: int = 0, attend: int | None = None):
+                prompt: int = 0, pad: int = 0, attend: int | None = None, route=None):
     """Build the timed loops once; ``timer(steps, repeats)`` then gives what
     :func:`time_stages` gives, as often as needed (a benchmark times the stages between its
     own calls with it, so both see the machine in the same state). ``like``: the model's
     weights, whose packed tensors' types the random weights take; ``prompt``: time prefills
-    of that many tokens (``pad`` of them padding); ``attend``: the slots a decode step reads."""
+    of that many tokens (``pad`` of them padding); ``attend``: the slots a decode step reads;
+    ``route``: ``tfnb.place``'s, which decides the route each device's packed stages run on."""
     packed = bool(like) and any(isinstance(w, PackedTensor) for w in like.values())
     block_bytes = llama_chain(config, like if packed else None)["block.0"].param_bytes
     k = max(1, min(config.n_layers, math.ceil(stream_bytes / block_bytes)))
@@ -166,7 +167,7 @@ def stage_timer(config, devices, *, batch: int = 1, slots: int = 128,
     routes = {}
     if packed:
         weights = packed_like(weights, like)
-        routes = packed_routes(devices)  # timed as placing would run them
+        routes = packed_routes(devices, route)  # timed as placing would run them
     # bounded like every call on the cluster: a silent worker fails calibration in seconds
     loops = call_with_deadline(
         lambda: {(dev, kind): loop for dev in devices

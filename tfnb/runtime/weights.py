@@ -294,6 +294,7 @@ def packed_routes(devices, route=None, timeout: float | None = 60.0) -> dict[str
             return kernels.packed_dequantize(one_row, kernels.QTYPES["F32"], 1).numpy()
 
     routes = dict.fromkeys(devices, "xla")
+    fell_back = []
     for device in probing:
         try:
             call_with_deadline(probe, (device,), timeout=timeout, devices=[device],
@@ -307,8 +308,11 @@ def packed_routes(devices, route=None, timeout: float | None = 60.0) -> dict[str
                     f"device {device} cannot run tfnb's packed-weight op {kernels.OP_NAMES[1]} "
                     "(its process did not load tfnb's kernels): start that worker with "
                     "`tfnb worker`, or place with route='xla' (or 'auto')") from None
-            _slower([device], "its process has not loaded tfnb's ops (a plain "
-                              "tf.distribute.Server?)")
+            fell_back.append(device)
+    if fell_back:
+        _slower(fell_back, "their processes have not loaded tfnb's ops (plain "
+                           "tf.distribute.Servers?)" if len(fell_back) > 1 else
+                "its process has not loaded tfnb's ops (a plain tf.distribute.Server?)")
     return routes
 
 

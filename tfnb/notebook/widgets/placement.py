@@ -188,7 +188,8 @@ class PlacementEditor(W.VBox):
         self.route = route
         if cluster is None:
             cluster = current()
-        topology = as_topology(cluster, model, batch, context_len).with_max_memory(max_memory)
+        topology = as_topology(cluster, model, batch, context_len,
+                               route=route).with_max_memory(max_memory)
         super().__init__(**kwargs)
         self._ready, self._auto_plan, self._applied_plan = False, None, None
         self._export_shown = None
