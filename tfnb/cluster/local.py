@@ -45,40 +45,36 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     return ports
 
 
-def _worker_cpus(cpus, n: int) -> list[str | None]:
-    """One CPU list (or None) per worker, each checked now rather than in a worker's log."""
-    from tfnb.cluster.worker import parse_cpus
-
-    per = [cpus] * n if cpus is None or isinstance(cpus, str) else list(cpus)
+def _per_worker(value, n: int, name: str, parse, one: str) -> list[str | None]:
+    """One ``tfnb worker`` flag value (or None) per worker, each checked by ``parse`` now rather
+    than in a worker's log: ``value`` is None, one value for every worker (a string or an
+    integer), or a list with one entry (or None) per worker; ``one`` shows a value for all."""
+    per = [value] * n if value is None or isinstance(value, (str, numbers.Integral)) \
+        else list(value)
     if len(per) != n:
-        raise SpecError(f"cpus={cpus!r} has {len(per)} entries for {n} workers: expected one list "
-                        "such as '0-3' for all, or one entry per worker")
-    for c in per:
-        if c is not None:
+        raise SpecError(f"{name}={value!r} has {len(per)} entries for {n} workers: expected one "
+                        f"value such as {one} for all, or one entry per worker")
+    for v in per:
+        if v is not None:
             try:
-                parse_cpus(c)
+                parse(v)
             except ValueError as e:
                 raise SpecError(str(e)) from None
-    return [None if c is None else str(c) for c in per]
+    return [None if v is None else str(v) for v in per]
+
+
+def _worker_cpus(cpus, n: int) -> list[str | None]:
+    """``--cpus`` of each worker (``tfnb worker``)."""
+    from tfnb.cluster.worker import parse_cpus
+
+    return _per_worker(cpus, n, "cpus", parse_cpus, "'0-3'")
 
 
 def _worker_gpus(gpus, n: int) -> list[str | None]:
-    """One ``--gpu`` value (or None) per worker: ``gpus`` is None, one value for every worker
-    (an index, ``"0,1"`` or ``"none"``), or a list with one entry (or None) per worker."""
+    """``--gpu`` of each worker: an index, ``"0,1"`` or ``"none"`` (``tfnb worker``)."""
     from tfnb.cluster.worker import parse_gpus
 
-    per = [gpus] * n if gpus is None or isinstance(gpus, (str, numbers.Integral)) \
-        else list(gpus)
-    if len(per) != n:
-        raise SpecError(f"gpus={gpus!r} has {len(per)} entries for {n} workers: expected one "
-                        "value such as 0 for all, or one entry per worker, e.g. [0, 1]")
-    for g in per:
-        if g is not None:
-            try:
-                parse_gpus(g)
-            except ValueError as e:
-                raise SpecError(str(e)) from None
-    return [None if g is None else str(g) for g in per]
+    return _per_worker(gpus, n, "gpus", parse_gpus, "0")
 
 
 class LocalCluster:
@@ -113,20 +109,19 @@ class LocalCluster:
     """
 
     @staticmethod
-    def check_arguments(n_workers, timeout, cpus, gpus=None) -> list[str | None]:
-        """SpecError naming the first bad argument; the CPU set of each worker otherwise."""
+    def check_arguments(n_workers, timeout, cpus, gpus=None) -> tuple[list, list]:
+        """SpecError naming the first bad argument; each worker's ``--cpus`` and ``--gpu``
+        otherwise."""
         if isinstance(n_workers, bool) or not isinstance(n_workers, int) \
                 or not 1 <= n_workers <= 64:
             raise SpecError(f"n_workers={n_workers!r}; expected an integer from 1 to 64")
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
             raise SpecError(f"timeout={timeout!r}; expected a number of seconds > 0")
-        _worker_gpus(gpus, n_workers)
-        return _worker_cpus(cpus, n_workers)
+        return _worker_cpus(cpus, n_workers), _worker_gpus(gpus, n_workers)
 
     def __init__(self, n_workers: int = 2, *, timeout: float = 60.0, isolate: bool = False,
                  host: str = "127.0.0.1", job: str = "worker", cpus=None, gpus=None):
-        self.cpus = self.check_arguments(n_workers, timeout, cpus, gpus)
-        self.gpus = _worker_gpus(gpus, n_workers)
+        self.cpus, self.gpus = self.check_arguments(n_workers, timeout, cpus, gpus)
         self.timeout = float(timeout)
         self.log_dir = Path(tempfile.mkdtemp(prefix="tfnb-local-"))
         self.procs: list[subprocess.Popen] = []

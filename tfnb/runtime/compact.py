@@ -32,7 +32,6 @@ Examples
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -116,21 +115,15 @@ def to_compact(rows, qtype: int, cols: int | None = None) -> Compact:
 
 def _compact_fn(qtype: int):
     """:func:`to_compact` as a traced function (its constants travel inside it, and a Python
-    value made a tensor under a remote device scope would hold the GIL: ``weights``), one per
-    cluster generation (a trace is registered on the workers of the cluster current when it
-    was first called: ``tfnb.cluster.connect.generation``)."""
-    from tfnb.cluster.connect import generation
+    value made a tensor under a remote device scope would hold the GIL: ``weights``), kept with
+    the current cluster's other traces (``graphs.shared_entry``)."""
+    from tfnb.runtime.graphs import shared_entry
 
-    return _compact_fn_of(qtype, generation())
-
-
-@functools.lru_cache(maxsize=16)
-def _compact_fn_of(qtype: int, generation: int):
     def convert(rows):
         c = to_compact(rows, qtype)
         return tuple(t for t in (c.q, c.d, c.m) if t is not None)
-    return tf.function(convert, autograph=False,
-                       input_signature=[tf.TensorSpec([None, None], tf.uint8)])
+    return shared_entry(("compact", qtype), lambda: tf.function(
+        convert, autograph=False, input_signature=[tf.TensorSpec([None, None], tf.uint8)]))
 
 
 def compact_on(device: str, data, qtype: int, cols: int, name: str) -> Compact:
@@ -161,9 +154,8 @@ def _values(w: Compact, q):
         values = tf.cast(tf.concat([tf.bitwise.bitwise_and(nib, 15),
                                     tf.bitwise.right_shift(nib, 4)], -1), tf.float32)
         return values if w.m is not None else values - 8.0
-    # int8 values through uint8: on TF 2.21's XLA:CPU the one-row multiply-reduce below runs
-    # 2.5x faster over (bits ^ 128) - 128 taken as two halves of 16 than over cast(int8) (the
-    # fused loop is vectorized only so; probed on a (3072, 576) and a (49152, 576) matrix)
+    # int8 values as (bits ^ 128) - 128 over two halves of 16: XLA:CPU vectorizes the fused
+    # multiply-reduce only over this form, not over cast(int8) (docs/gpu.md)
     u = tf.reshape(tf.bitcast(q, tf.uint8), [n, nb, 2, 16])
     return tf.cast(tf.bitwise.bitwise_xor(tf.concat([u[:, :, 0], u[:, :, 1]], -1), 128),
                    tf.float32) - 128.0
@@ -193,8 +185,7 @@ def gather_rows(w: Compact, ids):
 
 # Up to this many rows a product is one fused multiply-reduce; past it the matrix is dequantized
 # once and multiplied by XLA's dot. The reduce's time grows with the rows (its multiply-adds are
-# not shared across them), the dot's barely. SmolLM2 decoding on one 2-core worker: 2 rows 79
-# tokens/s reduced against 54 dequantized, 4 rows 81 against 100.
+# not shared across them), the dot's barely: measured crossover in docs/gpu.md.
 REDUCE_ROWS = 2
 
 
@@ -210,8 +201,7 @@ def _matmul(x_NxC, w: Compact):
     N = x_NxC.shape[0]
     # Tied to the input by a barrier: inside a decode loop compiled whole, XLA's loop-invariant
     # code motion would otherwise hoist each matrix's widening out of the loop and carry float32
-    # copies of every weight through it (seen in the optimized HLO of SmolLM2's decode loop:
-    # f32[49152,18,32] among the loop state; at one row 2x slower than the float32 path)
+    # copies of every weight through it (docs/gpu.md; tests/test_compact.py checks the HLO)
     x_NxC, q, d, m = _tied(x_NxC, w.q, w.d, w.m)
     if w.form == "float":  # XLA fuses the cast into its matrix-vector dot
         return tf.matmul(x_NxC, tf.cast(q, tf.float32), transpose_b=True)

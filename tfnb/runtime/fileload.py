@@ -26,7 +26,6 @@ Examples
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 
@@ -92,18 +91,14 @@ def widen_blocks(rows, from_qtype: int, qtype: int):
 
 def _widen_fn(from_qtype: int, qtype: int):
     """``widen_blocks`` as a traced function (its constants travel inside it; see
-    ``WeightLoader._read``), one per cluster generation: a trace is registered only on the
-    workers of the cluster current when it was first called
-    (``tfnb.cluster.connect.generation``)."""
-    from tfnb.cluster.connect import generation
+    ``WeightLoader._read``), kept with the current cluster's other traces
+    (``graphs.shared_entry``: a trace is registered only on the workers of the cluster
+    current when it was first called)."""
+    from tfnb.runtime.graphs import shared_entry
 
-    return _widen_fn_of(from_qtype, qtype, generation())
-
-
-@functools.lru_cache(maxsize=8)
-def _widen_fn_of(from_qtype: int, qtype: int, generation: int):
-    return tf.function(lambda rows: widen_blocks(rows, from_qtype, qtype), autograph=False,
-                       input_signature=[tf.TensorSpec([None, None], tf.uint8)])
+    return shared_entry(("widen", from_qtype, qtype), lambda: tf.function(
+        lambda rows: widen_blocks(rows, from_qtype, qtype), autograph=False,
+        input_signature=[tf.TensorSpec([None, None], tf.uint8)]))
 
 
 def file_fingerprint(header) -> bytes:

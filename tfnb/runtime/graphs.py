@@ -46,10 +46,10 @@ from tfnb.runtime import forward as L
 from tfnb.runtime import wire
 
 __all__ = ["HeadIn", "SegmentFns", "pack_ctl", "pack_prefill_ctl", "with_tokens", "unpack_ctl",
-           "segment_functions", "shared_segment_functions", "weights_arg", "segment_traces",
-           "program_traces", "run_segments", "prefill_function", "decode_function",
-           "unrolled_decode", "shift_function", "logits_function", "OnDevice", "Program",
-           "client_cpu"]
+           "segment_functions", "shared_segment_functions", "shared_entry", "weights_arg",
+           "segment_traces", "program_traces", "run_segments", "prefill_function",
+           "decode_function", "unrolled_decode", "shift_function", "logits_function", "OnDevice",
+           "Program", "client_cpu"]
 
 
 class _QuietRetracing(logging.Filter):
@@ -140,8 +140,9 @@ _segment_traces = 0  # segment graphs traced (a Python side effect of the traced
                      # at trace time only)
 
 
-def _shared_entry(key, make):
-    """The table's entry for ``key``, made by ``make()`` (cheap: nothing is traced yet) if new."""
+def shared_entry(key, make):
+    """The table's entry for ``key``, made by ``make()`` (cheap: nothing is traced yet) if new:
+    any traced function the workers of the current cluster run (``key`` names what it is)."""
     global _shared_generation
     with _shared_lock:
         if _shared_generation != generation():
@@ -161,7 +162,7 @@ def shared_segment_functions(seg: Segment, cfg, eos_ids, pad_id) -> SegmentFns:
     one pair per (stages, config, eos, pad) in this process (see ``_shared``). Their graphs
     name no device: they run on the device they are called under."""
     eos_ids, seg = tuple(eos_ids), dataclasses.replace(seg, device="")
-    return _shared_entry(("segment", seg, cfg, eos_ids, pad_id),
+    return shared_entry(("segment", seg, cfg, eos_ids, pad_id),
                          lambda: _segment_functions(seg, cfg, eos_ids, pad_id))
 
 
@@ -551,7 +552,7 @@ class Program:
     def _graph(self, key, make):
         graph = self.graphs.get(key)
         if graph is None:
-            graph = self.graphs[key] = _shared_entry(("program", key, self._spec),
+            graph = self.graphs[key] = shared_entry(("program", key, self._spec),
                                                      make).bind(self.weights, self.device)
         return graph
 

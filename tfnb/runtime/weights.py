@@ -197,12 +197,14 @@ def _leaves(w) -> list:
 ROUTES = ("auto", "kernel", "xla")
 
 
+_KIND = re.compile(r"(?:/device:|^/)([A-Za-z_]+):\d+$")  # .../device:GPU:0, /gpu:0
+
+
 def device_type(device: str) -> str:
     """``"GPU"`` for ``.../device:GPU:0`` or ``/gpu:0``; ``"CPU"`` for a CPU or a string naming
     no device type."""
-    m = re.search(r"/(?:device:)?([A-Za-z_]+):\d+$", device)
-    kind = m.group(1).upper() if m else "CPU"
-    return "CPU" if kind in ("TASK", "REPLICA") else kind
+    m = _KIND.search(device)
+    return m.group(1).upper() if m else "CPU"
 
 
 def host_cpu(device: str) -> str:
@@ -219,8 +221,7 @@ def host_cpu(device: str) -> str:
     """
     if device_type(device) == "CPU":
         return device
-    task = re.split(r"/(?:device:)?[A-Za-z_]+:\d+$", device)[0]
-    return f"{task}/device:CPU:0"
+    return f"{device[:_KIND.search(device).start()]}/device:CPU:0"
 
 
 def check_route(route, devices=None) -> None:
@@ -235,26 +236,32 @@ def check_route(route, devices=None) -> None:
                                  "such as {'worker:1': 'xla'})")
     if isinstance(route, dict) and devices is not None:
         for key in route:
-            if not any(_asked_route({key: "xla"}, d) == "xla" for d in devices):
+            if not any(_names(key, d) for d in devices):
                 known = list(dict.fromkeys(short_device(d).split("/")[0] for d in devices))
                 raise PlacementError(f"route key {key!r} names no worker or device of the "
                                      f"cluster: expected one of {known} or a device name")
 
 
-def _asked_route(route, device: str) -> str:
-    """What ``route`` asks for ``device``: a key naming the device itself (full or short name)
-    before one naming its worker (``"worker:1"``, or the task's name)."""
-    if not isinstance(route, dict):
-        return route or "auto"
+def _names(key, device: str) -> int:
+    """2 when a ``route`` key names ``device`` itself (full or short name), 1 when it names its
+    worker (``"worker:1"``, or the task's name), else 0."""
     from tfnb.runtime.fileload import worker_of
 
     short = short_device(device)
-    for key, r in route.items():
-        if str(key) in (device, short):
-            return r or "auto"
-    for key, r in route.items():
-        if worker_of(key) == short.split("/")[0]:
-            return r or "auto"
+    if str(key) in (device, short):
+        return 2
+    return int(worker_of(key) == short.split("/")[0])
+
+
+def _asked_route(route, device: str) -> str:
+    """What ``route`` asks for ``device``: a key naming the device itself wins over one naming
+    its worker."""
+    if not isinstance(route, dict):
+        return route or "auto"
+    for level in (2, 1):
+        for key, r in route.items():
+            if _names(key, device) == level:
+                return r or "auto"
     return "auto"
 
 
@@ -310,9 +317,7 @@ def packed_routes(devices, route=None, timeout: float | None = 60.0) -> dict[str
                     "`tfnb worker`, or place with route='xla' (or 'auto')") from None
             fell_back.append(device)
     if fell_back:
-        _slower(fell_back, "their processes have not loaded tfnb's ops (plain "
-                           "tf.distribute.Servers?)" if len(fell_back) > 1 else
-                "its process has not loaded tfnb's ops (a plain tf.distribute.Server?)")
+        _slower(fell_back, "no tfnb ops loaded there (a plain tf.distribute.Server?)")
     return routes
 
 
